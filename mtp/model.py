@@ -1,0 +1,264 @@
+"""`MTPModel`: a Hugging Face causal LM plus draft heads, with exact self-speculative `generate()`.
+
+The wrapper owns nothing of the base model's computation: it calls the base model as transformers
+built it (its cache classes, 4D masks and position ids) and adds heads on the final hidden state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .arch import BaseInfo, describe
+from .checkpoint import (
+    base_fingerprint,
+    base_probe,
+    check_heads_state,
+    load_heads_state,
+    probes_match,
+    save_heads,
+)
+from .config import MTPConfig
+from .decoding import (
+    GenerateOutput,
+    check_generation_config,
+    resolve_stopping,
+    speculative_generate,
+)
+from .heads import build_heads
+from .proposer import MedusaProposer, Proposer
+from .tree import Tree, build_tree, resolve_tree
+
+
+@dataclass
+class MTPOutput:
+    logits: torch.Tensor  # (B, T, V) base next-token logits
+    head_logits: torch.Tensor | None  # (K, B, T, V): head k at position t guesses token t+k+2
+    hidden_states: torch.Tensor  # (B, T, d) final hidden state (input of lm_head)
+
+
+class MTPModel(nn.Module):
+    """A base causal LM with K draft heads. Build with `from_base` or `from_pretrained`."""
+
+    def __init__(self, base_model: nn.Module, heads: nn.Module, config: MTPConfig):
+        super().__init__()
+        self.base_model = base_model
+        self.heads = heads
+        self.config = config
+        self.info: BaseInfo = describe(base_model)
+        self.tokenizer = None  # optional; saved alongside the checkpoint when set
+        self.train(base_model.training)  # inherit the base's mode: eval() bases stay dropout-free
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_base(
+        cls,
+        base_model: nn.Module,
+        num_heads: int = 4,
+        head_type: str = "medusa",
+        tree: Any = None,
+        tree_nodes: int = 16,
+        **head_kwargs: Any,
+    ) -> MTPModel:
+        """Fresh heads on `base_model`, in its dtype and on its device, starting equal to its lm_head."""
+        info = describe(base_model)
+        heads = build_heads(
+            head_type,
+            hidden_size=info.hidden_size,
+            vocab_size=info.vocab_size,
+            num_heads=num_heads,
+            **head_kwargs,
+        )
+        param = next(base_model.parameters())
+        heads.to(device=param.device, dtype=param.dtype)
+        init = getattr(heads, "init_from_base", None)
+        if init is not None:
+            init(base_model.get_output_embeddings())
+        config = MTPConfig(
+            head_type=head_type,
+            num_heads=num_heads,
+            head_kwargs=heads.config_kwargs(),
+            hidden_size=info.hidden_size,
+            vocab_size=info.vocab_size,
+            base_model_type=info.model_type,
+            base_architectures=list(info.architectures),
+            base_model_name_or_path=getattr(base_model, "name_or_path", None) or None,
+            tree=[list(p) for p in resolve_tree(tree, num_heads, Tree([])).paths] if tree is not None else None,
+            tree_nodes=tree_nodes,
+        )
+        return cls(base_model, heads, config)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_dir: str | Path,
+        torch_dtype: torch.dtype | str | None = None,
+        device_map: Any = None,
+        base_model: nn.Module | None = None,
+    ) -> MTPModel:
+        """Load a full or heads-only checkpoint. `base_model=` overrides the base the config points to."""
+        directory = Path(path_or_dir)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"MTP checkpoint directory not found: {directory}")
+        config = MTPConfig.load(directory)
+        state, probe = load_heads_state(directory)
+        if base_model is None:
+            base_model = _load_base(directory, config, torch_dtype, device_map)
+        info = describe(base_model)
+        if (info.hidden_size, info.vocab_size) != (config.hidden_size, config.vocab_size):
+            raise ValueError(
+                f"heads in {directory} were built for hidden size {config.hidden_size} / vocab "
+                f"{config.vocab_size}, but the base model has {info.hidden_size} / {info.vocab_size}"
+            )
+        heads = build_heads(
+            config.head_type,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            num_heads=config.num_heads,
+            **config.head_kwargs,
+        )
+        check_heads_state(heads, state, directory)
+        heads.load_state_dict(state)
+        if probe is not None and not probes_match(probe, base_probe(base_model)):
+            raise ValueError(
+                f"the heads in {directory} were trained on a different base model (weights checksum "
+                f"{config.base_checksum}, this base {base_fingerprint(base_probe(base_model))}); "
+                "load them on the base they were trained for"
+            )
+        param = next(base_model.parameters())
+        heads.to(device=param.device, dtype=param.dtype)
+        return cls(base_model, heads, config)
+
+    def save_pretrained(self, directory: str | Path, heads_only: bool = False) -> Path:
+        """Write heads (+ the base unless `heads_only`) as safetensors, plus `mtp_config.json`."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = base_probe(self.base_model)
+        self.config.base_checksum = base_fingerprint(probe)
+        if not heads_only:
+            self.base_model.save_pretrained(directory)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(directory)
+        save_heads(self.heads, directory, probe)
+        self.config.save(directory)
+        return directory
+
+    # ---- training forward ---------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        with_heads: bool = True,
+        **kwargs: Any,
+    ) -> MTPOutput:
+        """Base logits and head logits at every position (for training and evaluation)."""
+        out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs)
+        hidden = out.hidden_states[-1]
+        head_logits = self.heads(hidden, self.base_model.get_output_embeddings()) if with_heads else None
+        return MTPOutput(logits=out.logits, head_logits=head_logits, hidden_states=hidden)
+
+    # ---- decoding -----------------------------------------------------------------------------
+
+    @property
+    def default_tree(self) -> Tree:
+        if self.config.tree is not None:
+            return Tree(self.config.tree)
+        return build_tree(self.config.tree_nodes, self.config.num_heads, self.config.head_accuracies)
+
+    def make_proposer(self) -> Proposer:
+        return MedusaProposer(self.heads, self.base_model.get_output_embeddings())
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int | None = None,
+        do_sample: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        tree: Any = None,
+        streamer: Any = None,
+        return_dict_in_generate: bool = False,
+        speculative: bool = True,
+    ) -> torch.Tensor | GenerateOutput:
+        """Exactly `base_model.generate(...)`'s greedy output, produced several tokens per forward.
+
+        tree: None (the model's default tree), "chain", an int (node budget for a built tree), a
+        `Tree`, or a list of rank paths. `speculative=False` decodes one token per step with the same
+        code path (the baseline the speedup is measured against, and a per-request off switch).
+        """
+        if do_sample:
+            raise NotImplementedError("do_sample=True is not supported yet: only greedy decoding is exact here")
+        input_ids = _check_input(input_ids, attention_mask)
+        gen_config = self.base_model.generation_config
+        check_generation_config(gen_config)
+        max_new, eos = resolve_stopping(
+            gen_config,
+            input_ids.shape[1],
+            max_new_tokens,
+            eos_token_id,
+            getattr(self.base_model.config, "max_position_embeddings", None),
+        )
+        if self.info.max_positions is not None and input_ids.shape[1] + max_new > self.info.max_positions:
+            raise ValueError(
+                f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new}) exceeds the model's "
+                f"{self.info.max_positions} positions"
+            )
+        step_tree = resolve_tree(tree, self.config.num_heads, self.default_tree) if speculative else Tree([])
+        was_training = self.training
+        self.eval()
+        try:
+            result = speculative_generate(
+                self.base_model, self.info, self.make_proposer(), input_ids, step_tree, max_new, eos, streamer
+            )
+        finally:
+            self.train(was_training)
+        return result if return_dict_in_generate else result.sequences
+
+
+def _check_input(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a 2D LongTensor of shape (1, prompt_length)")
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"batch size {input_ids.shape[0]} is not supported: self-speculative generate() takes one "
+            "sequence at a time (call it per prompt)"
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: give at least one prompt token")
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape")
+        if not bool(attention_mask.all()):
+            raise ValueError("attention_mask has padding; pass the unpadded prompt (batch size 1 needs none)")
+    return input_ids
+
+
+def _load_base(directory: Path, config: MTPConfig, torch_dtype: Any, device_map: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if (directory / "config.json").is_file():
+        source = directory
+    elif config.base_model_name_or_path:
+        source = Path(config.base_model_name_or_path)
+        if not source.exists():
+            raise FileNotFoundError(
+                f"heads-only checkpoint {directory} points at base model {source}, which does not exist; "
+                "pass base_model= to from_pretrained"
+            )
+    else:
+        raise ValueError(
+            f"{directory} holds heads only and records no base model path; pass base_model= to from_pretrained"
+        )
+    kwargs: dict[str, Any] = {"use_safetensors": True} if any(Path(source).glob("*.safetensors")) else {}
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    return AutoModelForCausalLM.from_pretrained(str(source), **kwargs).eval()

@@ -1,0 +1,105 @@
+"""Tiny random-config models of several architectures, and heads fitted to be accurate.
+
+Random models are deterministic given the seed; fitted heads are cached per architecture for the
+whole session because fitting takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mtp.train.losses import medusa_loss
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from mtp import MTPModel
+
+torch.set_num_threads(2)
+
+VOCAB = 256
+ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "gpt2":
+        cfg = GPT2Config(**{**dict(n_embd=64, n_layer=2, n_head=4, n_positions=256), **common, **overrides})
+        model = GPT2LMHeadModel(cfg)
+    else:
+        llama_like = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+        )
+        cls = {
+            "llama": (LlamaConfig, LlamaForCausalLM),
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM),
+        }[arch]
+        model = cls[1](cls[0](**{**llama_like, **common, **overrides}))
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def random_heads(base, num_heads: int = 4, seed: int = 0, scale: float = 0.5) -> MTPModel:
+    """Heads with random weights: drafts that are sometimes right, mostly wrong."""
+    model = MTPModel.from_base(base, num_heads=num_heads)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def fit_heads(
+    base, prompts: list[torch.Tensor], num_new: int = 60, steps: int = 300, num_heads: int = 4
+) -> tuple[MTPModel, list[torch.Tensor]]:
+    """Fit heads on the base model's own greedy continuations of `prompts` (self-distillation).
+
+    Returns the model and the reference sequences (prompt + greedy continuation) it was fitted on.
+    """
+    torch.manual_seed(0)
+    base.generation_config.eos_token_id = None
+    seqs = [base.generate(p, max_new_tokens=num_new, do_sample=False) for p in prompts]
+    model = MTPModel.from_base(base, num_heads=num_heads)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.Adam(model.heads.parameters(), lr=1e-2)
+    for _ in range(steps):
+        for s in seqs:
+            loss, _ = medusa_loss(model(s).head_logits, s)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, seqs
+
+
+_FITTED: dict[str, tuple] = {}
+
+
+@pytest.fixture(scope="session")
+def fitted():
+    """fitted(arch) -> (model, prompts, reference sequences) with accurate heads; cached."""
+
+    def get(arch: str):
+        if arch not in _FITTED:
+            base = tiny_model(arch, seed=1)
+            g = torch.Generator().manual_seed(123)
+            prompts = [torch.randint(3, VOCAB, (1, n), generator=g) for n in (1, 4, 7, 12)]
+            model, seqs = fit_heads(base, prompts)
+            _FITTED[arch] = (model, prompts, seqs)
+        return _FITTED[arch]
+
+    return get

@@ -1,0 +1,42 @@
+"""The `mtp` console command, run as a user would run it (subprocess)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import VOCAB, random_heads, tiny_model
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
+
+
+def _mtp(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mtp.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_subcommands():
+    res = _mtp("--help")
+    assert res.returncode == 0
+    assert "generate" in res.stdout and "info" in res.stdout
+
+
+def test_generate_and_info_on_a_saved_checkpoint(tmp_path):
+    model = random_heads(tiny_model("llama", seed=21), seed=21)
+    words = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    model.tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2")
+    model.save_pretrained(tmp_path)
+    res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat")
+    assert res.returncode == 0, res.stderr
+    assert "identical: True" in res.stdout and "τ=" in res.stdout
+    res = _mtp("info", str(tmp_path))
+    assert res.returncode == 0 and '"head_type": "medusa"' in res.stdout
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    res = _mtp("generate", "-m", str(tmp_path / "missing"), "-p", "hi")
+    assert res.returncode == 2
+    assert "not found" in res.stderr and "Traceback" not in res.stderr

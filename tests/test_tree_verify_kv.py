@@ -1,0 +1,91 @@
+"""Trees, verification and KV-cache cropping on literal inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from mtp.kv_cache import keep_accepted
+from mtp.tree import DEFAULT_ACCURACIES, Tree, build_tree, chain
+from mtp.verify import verify_greedy
+
+PATHS = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def test_tree_flattening():
+    t = Tree(list(reversed(PATHS)))  # order of the input does not matter
+    assert t.paths == tuple(PATHS)
+    assert t.parents == [-1, 0, 0, 1, 1, 2, 3]
+    assert t.depths == [0, 1, 1, 2, 2, 2, 3]
+    assert t.ranks == [0, 0, 1, 0, 1, 0, 0]
+    assert t.children[0] == [1, 2] and t.children[1] == [3, 4] and t.children[3] == [6]
+    anc = t.ancestors
+    assert anc[6].tolist() == [True, True, False, True, False, False, True]
+    assert anc[5].tolist() == [True, False, True, False, False, True, False]
+    heads, ranks = t.gather_index
+    assert heads.tolist() == [0, 0, 1, 1, 1, 2] and ranks.tolist() == [0, 1, 0, 1, 0, 0]
+
+
+def test_tree_limit_and_chain():
+    t = Tree(PATHS)
+    assert t.limit(1).paths == ((0,), (1,))
+    assert t.limit(0).paths == () and len(t.limit(0)) == 1
+    assert t.limit(9) is t
+    c = chain(3)
+    assert c.paths == ((0,), (0, 0), (0, 0, 0)) and c.parents == [-1, 0, 1, 2]
+
+
+@pytest.mark.parametrize("bad,msg", [([(0, 1)], "no parent"), ([(-1,)], "negative")])
+def test_tree_rejects_bad_paths(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        Tree(bad)
+
+
+def test_build_tree_is_valid_sized_and_best_first():
+    for n in (1, 2, 8, 16, 40):
+        t = build_tree(n, 4)
+        assert len(t) == n and t.depth <= 4
+        Tree(t.paths)  # closed under prefixes, or this raises
+    # more nodes never lower the expected acceptance length, and beat a chain of the same depth
+    lengths = [build_tree(n, 4).expected_length(DEFAULT_ACCURACIES) for n in (2, 5, 10, 20)]
+    assert lengths == sorted(lengths)
+    assert build_tree(5, 4).expected_length(DEFAULT_ACCURACIES) >= chain(4).expected_length(DEFAULT_ACCURACIES)
+    # with a perfect head 1 and useless others, the tree spends nothing beyond depth 1
+    acc = [[1.0, 0.0], [0.0, 0.0]]
+    assert build_tree(5, 2, acc).paths == ((0,),)
+
+
+def test_verify_greedy_literal():
+    t = Tree(PATHS)
+    #        node: 0  1  2  3   4   5   6
+    draft = [5, 7, 9, 11, 12, 13, 14]
+    # base agrees with 7 after root, with 11 after 7, with 14 after 11, then says 99
+    assert verify_greedy(t, draft, [7, 11, 0, 14, 0, 0, 99]) == ([0, 1, 3, 6], 99)
+    # second-ranked branch
+    assert verify_greedy(t, draft, [9, 0, 13, 0, 0, 42, 0]) == ([0, 2, 5], 42)
+    # nothing accepted: the bonus is the base's own token after the root
+    assert verify_greedy(t, draft, [3, 0, 0, 0, 0, 0, 0]) == ([0], 3)
+
+
+def _filled_cache(length: int) -> DynamicCache:
+    cache = DynamicCache()
+    for layer in range(2):
+        k = torch.arange(length, dtype=torch.float32).view(1, 1, length, 1).repeat(1, 2, 1, 3) + 100 * layer
+        cache.update(k, -k, layer)
+    return cache
+
+
+def test_keep_accepted_tree_path():
+    cache = _filled_cache(9)  # prefix 5 + tree of 4 nodes
+    keep_accepted(cache, prefix_len=5, keep=[0, 1, 3])
+    assert cache.get_seq_length() == 8
+    for i, layer in enumerate(cache.layers):
+        assert layer.keys[0, 0, :, 0].tolist() == [p + 100 * i for p in [0, 1, 2, 3, 4, 5, 6, 8]]
+        assert layer.values[0, 1, :, 2].tolist() == [-(p + 100 * i) for p in [0, 1, 2, 3, 4, 5, 6, 8]]
+
+
+def test_keep_accepted_chain_is_a_crop():
+    cache = _filled_cache(9)
+    keep_accepted(cache, prefix_len=5, keep=[0, 1])
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6]

@@ -1,0 +1,1 @@
+"""Head training (Medusa-1/2, self-distillation)."""
