@@ -95,5 +95,25 @@ def info(model: Path = typer.Argument(..., help="MTP checkpoint directory.")) ->
     typer.echo(json.dumps(config.to_dict(), indent=2))
 
 
+# Each feature area adds its subcommands through a `register(app)` function in its own module, so
+# this file stays small and feature work never edits it. Modules import heavy libraries lazily.
+_COMMAND_MODULES = ("mtp.train.cli", "mtp.serve.cli", "mtp.bench.cli", "mtp.quickstart")
+
+
+def _register_feature_commands() -> None:
+    import importlib
+
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # that feature area has no commands (yet)
+                continue
+            raise
+        module.register(app)
+
+
+_register_feature_commands()
+
 if __name__ == "__main__":
     app()
