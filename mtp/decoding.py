@@ -1,4 +1,4 @@
-"""The self-speculative decoding loop (greedy), batch size 1.
+"""The self-speculative decoding loop, batch size 1 (greedy, or sampled through `SamplingStrategy`).
 
 One step, numbered as in the code below:
   1. propose   the heads draft a token for every node of the tree, rooted at the last emitted token
@@ -25,8 +25,60 @@ from torch import nn
 from .arch import BaseInfo
 from .kv_cache import keep_accepted, new_cache
 from .proposer import Proposer
+from .sampling import SamplingParams, sample, verify_sampled, verify_typical
 from .tree import Tree
 from .verify import verify_greedy
+
+
+class GreedyStrategy:
+    """Drafts: top-k of the heads. Acceptance: the base model's argmax."""
+
+    def first(self, logits: torch.Tensor) -> int:
+        return int(logits.argmax())
+
+    def propose(self, proposer: Proposer, root: int, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return proposer.propose(root, tree), None
+
+    def verify(
+        self, tree: Tree, draft: list[int], q: torch.Tensor | None, logits: torch.Tensor
+    ) -> tuple[list[int], int]:
+        return verify_greedy(tree, draft, logits.argmax(dim=-1).tolist())
+
+
+class SamplingStrategy:
+    """Lossless: drafts sampled from the heads' warped q, recursive rejection sampling against p.
+
+    With `acceptance="typical"`: top-k drafts and Medusa's typical acceptance (lossy, opt-in).
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        acceptance: str = "lossless",
+        typical_epsilon: float = 0.09,
+        typical_delta: float = 0.3,
+    ):
+        if acceptance not in ("lossless", "typical"):
+            raise ValueError(f"acceptance must be 'lossless' or 'typical', got {acceptance!r}")
+        self.params, self.generator, self.acceptance = params, generator, acceptance
+        self.epsilon, self.delta = typical_epsilon, typical_delta
+
+    def first(self, logits: torch.Tensor) -> int:
+        return sample(self.params.probs(logits[None])[0], self.generator)
+
+    def propose(self, proposer: Proposer, root: int, tree: Tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.acceptance == "typical":
+            return proposer.propose(root, tree), None
+        return proposer.propose_sampled(root, tree, self.params.probs, self.generator)
+
+    def verify(
+        self, tree: Tree, draft: list[int], q: torch.Tensor | None, logits: torch.Tensor
+    ) -> tuple[list[int], int]:
+        p = self.params.probs(logits)  # (N, V)
+        if self.acceptance == "typical":
+            return verify_typical(tree, draft, p, self.generator, self.epsilon, self.delta)
+        return verify_sampled(tree, draft, p, q, self.generator)
 
 
 @dataclass
@@ -193,8 +245,10 @@ def speculative_generate(
     max_new_tokens: int,
     eos: set[int],
     streamer=None,
+    strategy: GreedyStrategy | SamplingStrategy | None = None,
 ) -> GenerateOutput:
-    """Greedy self-speculative decoding of one sequence (see the module docstring for the steps)."""
+    """Self-speculative decoding of one sequence (see the module docstring for the steps)."""
+    strategy = strategy or GreedyStrategy()
     prompt = input_ids[0]
     if max_new_tokens <= 0:
         return GenerateOutput(sequences=input_ids.clone(), prompt_length=input_ids.shape[1])
@@ -204,7 +258,7 @@ def speculative_generate(
 
     # 0. prefill: the first new token is the base model's own choice after the prompt.
     logits, hidden = scorer.prefill(input_ids)
-    token = int(logits.argmax())
+    token = strategy.first(logits)
     proposer.begin(hidden, prompt)
     out_tokens = [token]
     if streamer is not None:
@@ -221,12 +275,12 @@ def speculative_generate(
         step_tree = tree.limit(room)
 
         # 1. propose  2. score
-        draft = proposer.propose(token, step_tree)  # (N,)
+        draft, q = strategy.propose(proposer, token, step_tree)  # (N,), (D, V) | None
         logits, hidden = scorer.score(draft, step_tree)  # (N, V), (N, d)
 
         # 3. verify
         draft_list = draft.tolist()
-        accepted, bonus = verify_greedy(step_tree, draft_list, logits.argmax(dim=-1).tolist())
+        accepted, bonus = strategy.verify(step_tree, draft_list, q, logits)
 
         # 4. crop KV: prefix + root + accepted path
         scorer.keep(prefix, accepted)

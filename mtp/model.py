@@ -25,12 +25,15 @@ from .checkpoint import (
 from .config import MTPConfig
 from .decoding import (
     GenerateOutput,
+    GreedyStrategy,
+    SamplingStrategy,
     check_generation_config,
     resolve_stopping,
     speculative_generate,
 )
 from .heads import build_heads
 from .proposer import MedusaProposer, Proposer
+from .sampling import SamplingParams
 from .tree import Tree, build_tree, resolve_tree
 
 
@@ -179,25 +182,45 @@ class MTPModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         max_new_tokens: int | None = None,
-        do_sample: bool = False,
+        do_sample: bool | None = None,
         eos_token_id: int | list[int] | None = None,
         attention_mask: torch.Tensor | None = None,
         tree: Any = None,
         streamer: Any = None,
         return_dict_in_generate: bool = False,
         speculative: bool = True,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        generator: torch.Generator | None = None,
+        acceptance: str = "lossless",
+        typical_epsilon: float = 0.09,
+        typical_delta: float = 0.3,
     ) -> torch.Tensor | GenerateOutput:
-        """Exactly `base_model.generate(...)`'s greedy output, produced several tokens per forward.
+        """What `base_model.generate(...)` would return, produced several tokens per forward.
+
+        Greedy (`do_sample=False`, the default unless the model's generation_config says otherwise):
+        token-identical output. Sampling: exactly the distribution generate() samples from (same
+        warpers: temperature, top_k, top_p, min_p), via lossless speculative sampling; the same
+        `generator` seed gives the same output. `acceptance="typical"` switches to Medusa's typical
+        acceptance, which is faster but LOSSY: an explicit opt-in, never the default.
 
         tree: None (the model's default tree), "chain", an int (node budget for a built tree), a
         `Tree`, or a list of rank paths. `speculative=False` decodes one token per step with the same
         code path (the baseline the speedup is measured against, and a per-request off switch).
         """
-        if do_sample:
-            raise NotImplementedError("do_sample=True is not supported yet: only greedy decoding is exact here")
         input_ids = _check_input(input_ids, attention_mask)
         gen_config = self.base_model.generation_config
         check_generation_config(gen_config)
+        if do_sample is None:
+            do_sample = bool(getattr(gen_config, "do_sample", False))
+        strategy = GreedyStrategy()
+        if do_sample:
+            params = SamplingParams.resolve(gen_config, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+            strategy = SamplingStrategy(params, generator, acceptance, typical_epsilon, typical_delta)
+        elif acceptance != "lossless":
+            raise ValueError("acceptance='typical' only applies to sampling (do_sample=True)")
         max_new, eos = resolve_stopping(
             gen_config,
             input_ids.shape[1],
@@ -215,7 +238,15 @@ class MTPModel(nn.Module):
         self.eval()
         try:
             result = speculative_generate(
-                self.base_model, self.info, self.make_proposer(), input_ids, step_tree, max_new, eos, streamer
+                self.base_model,
+                self.info,
+                self.make_proposer(),
+                input_ids,
+                step_tree,
+                max_new,
+                eos,
+                streamer,
+                strategy,
             )
         finally:
             self.train(was_training)

@@ -8,6 +8,8 @@ states (n-gram lookup, say) would simply ignore them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -27,6 +29,16 @@ class Proposer:
 
     def propose(self, root: int, tree: Tree) -> torch.Tensor:
         """Draft tokens for every node, (N,) long, node 0 = `root` (the token the base just chose)."""
+        raise NotImplementedError
+
+    def propose_sampled(
+        self, root: int, tree: Tree, probs: Callable[[torch.Tensor], torch.Tensor], generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled drafts for lossless speculative sampling.
+
+        `probs` maps logits to the warped draft distribution q. Returns (N,) tokens and (D, V) q per
+        depth; the siblings of every node are i.i.d. draws from q of their depth.
+        """
         raise NotImplementedError
 
 
@@ -55,3 +67,15 @@ class MedusaProposer(Proposer):
         top = logits.topk(tree.max_rank + 1, dim=-1).indices  # (D, R)
         heads, ranks = tree.gather_index
         return torch.cat([root_t, top[heads.to(top.device), ranks.to(top.device)]])
+
+    def propose_sampled(
+        self, root: int, tree: Tree, probs: Callable[[torch.Tensor], torch.Tensor], generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        root_t = torch.tensor([root], dtype=torch.long, device=self.last_hidden.device)
+        if len(tree) == 1:
+            return root_t, torch.zeros(0)
+        q = probs(self.head_logits(tree.depth))  # (D, V) float32
+        # Node (d, r) takes the r-th of R i.i.d. draws from q_d (Medusa heads' q ignores the path).
+        draws = torch.multinomial(q.cpu(), tree.max_rank + 1, replacement=True, generator=generator)  # (D, R)
+        heads, ranks = tree.gather_index
+        return torch.cat([root_t, draws[heads, ranks].to(root_t.device)]), q
