@@ -31,7 +31,8 @@ def base_probe(base_model: nn.Module) -> torch.Tensor:
     values = []
     for _, p in sorted(base_model.named_parameters(), key=lambda kv: kv[0]):
         flat = p.detach().reshape(-1)
-        idx = torch.linspace(0, flat.numel() - 1, min(_PROBE_PER_TENSOR, flat.numel())).long()
+        # float64: float32 positions collide past 2**24 elements (a 49k x 576 embedding has 28M)
+        idx = torch.linspace(0, flat.numel() - 1, min(_PROBE_PER_TENSOR, flat.numel()), dtype=torch.float64).long()
         values.append(flat[idx.to(flat.device)].float().cpu())
     return torch.cat(values) if values else torch.zeros(0)
 
