@@ -16,12 +16,14 @@ many of those argmaxes one forward pass gets to confirm.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 from torch import nn
 
+from .adaptive import AdaptiveDraft
 from .arch import BaseInfo
 from .kv_cache import keep_accepted, new_cache
 from .proposer import Proposer
@@ -241,7 +243,7 @@ def speculative_generate(
     info: BaseInfo,
     proposer: Proposer,
     input_ids: torch.Tensor,
-    tree: Tree,
+    tree: Tree | AdaptiveDraft,
     max_new_tokens: int,
     eos: set[int],
     streamer=None,
@@ -272,7 +274,9 @@ def speculative_generate(
         room = max_new_tokens - len(out_tokens) - 1
         if info.max_positions is not None:
             room = min(room, info.max_positions - 1 - prefix)
-        step_tree = tree.limit(room)
+        policy = tree if isinstance(tree, AdaptiveDraft) else None
+        step_tree = (policy.tree() if policy else tree).limit(room)
+        t_step = time.perf_counter()
 
         # 1. propose  2. score
         draft, q = strategy.propose(proposer, token, step_tree)  # (N,), (D, V) | None
@@ -284,6 +288,8 @@ def speculative_generate(
 
         # 4. crop KV: prefix + root + accepted path
         scorer.keep(prefix, accepted)
+        if policy is not None:
+            policy.update(step_tree, accepted, time.perf_counter() - t_step)
 
         # 5. emit, stopping exactly where generate() would
         new = [draft_list[i] for i in accepted[1:]] + [bonus]

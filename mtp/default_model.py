@@ -199,3 +199,38 @@ def load_default_model(
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
     return model.eval(), tokenizer
+
+
+# Heads trained for the default model and shipped inside the package (heads only, safetensors).
+SHIPPED_HEADS_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-heads"
+# `base_model_name_or_path` value meaning "the embedded default model", so shipped heads carry no
+# machine-specific path.
+DEFAULT_BASE_SENTINEL = "default"
+
+
+def default_heads_dir() -> Path | None:
+    """The heads shipped for the default model, or None in an install that has none."""
+    return SHIPPED_HEADS_DIR if (SHIPPED_HEADS_DIR / "mtp_config.json").is_file() else None
+
+
+def load_default_mtp(torch_dtype: torch.dtype = torch.float32, heads_dir: str | Path | None = None):
+    """The default model with heads: (MTPModel, tokenizer, heads_are_trained).
+
+    Uses the shipped heads unless `heads_dir` is given; with neither available it falls back to fresh
+    (untrained) heads, which keeps output exact but gives no speedup — the caller says so to the user.
+    """
+    from .model import MTPModel
+
+    base, tokenizer = load_default_model(torch_dtype)
+    directory = Path(heads_dir) if heads_dir is not None else SHIPPED_HEADS_DIR
+    if (directory / "mtp_config.json").is_file():
+        model = MTPModel.from_pretrained(directory, base_model=base)
+        trained = True
+    else:
+        if heads_dir is not None:
+            raise FileNotFoundError(f"no MTP heads in {directory}")
+        model = MTPModel.from_base(base, num_heads=4)
+        model.config.base_model_name_or_path = DEFAULT_BASE_SENTINEL
+        trained = False
+    model.tokenizer = tokenizer
+    return model, tokenizer, trained

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adaptive import AdaptiveDraft
 from .arch import BaseInfo, describe
 from .checkpoint import (
     base_fingerprint,
@@ -72,6 +73,7 @@ class MTPModel(nn.Module):
         info = describe(base_model)
         heads = build_heads(
             head_type,
+            base_model=base_model,  # used only by head types that declare `needs_base` (MTP modules)
             hidden_size=info.hidden_size,
             vocab_size=info.vocab_size,
             num_heads=num_heads,
@@ -120,6 +122,7 @@ class MTPModel(nn.Module):
             )
         heads = build_heads(
             config.head_type,
+            base_model=base_model,
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
             num_heads=config.num_heads,
@@ -163,7 +166,9 @@ class MTPModel(nn.Module):
         """Base logits and head logits at every position (for training and evaluation)."""
         out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs)
         hidden = out.hidden_states[-1]
-        head_logits = self.heads(hidden, self.base_model.get_output_embeddings()) if with_heads else None
+        head_logits = (
+            self.heads(hidden, self.base_model.get_output_embeddings(), input_ids=input_ids) if with_heads else None
+        )
         return MTPOutput(logits=out.logits, head_logits=head_logits, hidden_states=hidden)
 
     # ---- decoding -----------------------------------------------------------------------------
@@ -175,6 +180,10 @@ class MTPModel(nn.Module):
         return build_tree(self.config.tree_nodes, self.config.num_heads, self.config.head_accuracies)
 
     def make_proposer(self) -> Proposer:
+        """The drafter for one generate() call; each head type brings its own (`heads.make_proposer`)."""
+        make = getattr(self.heads, "make_proposer", None)
+        if make is not None:
+            return make(self.base_model)
         return MedusaProposer(self.heads, self.base_model.get_output_embeddings())
 
     @torch.inference_mode()
@@ -206,9 +215,11 @@ class MTPModel(nn.Module):
         `generator` seed gives the same output. `acceptance="typical"` switches to Medusa's typical
         acceptance, which is faster but LOSSY: an explicit opt-in, never the default.
 
-        tree: None (the model's default tree), "chain", an int (node budget for a built tree), a
-        `Tree`, or a list of rank paths. `speculative=False` decodes one token per step with the same
-        code path (the baseline the speedup is measured against, and a per-request off switch).
+        tree: None / "auto" (adaptive: the tree size, down to no drafting at all, that gives the most
+        tokens per second for this text, up to the model's default tree), "default" (the default tree,
+        fixed), "chain", an int (node budget for a built tree), a `Tree`, or a list of rank paths.
+        `speculative=False` decodes one token per step with the same code path (the baseline the
+        speedup is measured against, and a per-request off switch).
         """
         input_ids = _check_input(input_ids, attention_mask)
         gen_config = self.base_model.generation_config
@@ -233,7 +244,16 @@ class MTPModel(nn.Module):
                 f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                 f"{self.info.max_positions} positions"
             )
-        step_tree = resolve_tree(tree, self.config.num_heads, self.default_tree) if speculative else Tree([])
+        if not speculative:
+            step_tree = Tree([])
+        elif tree is None or tree == "auto":
+            # The default: adaptive drafting up to the model's default tree size, seeded with its accuracies.
+            # Sampling: no wall-clock input, so a seeded call is reproducible (see AdaptiveDraft).
+            step_tree = AdaptiveDraft(
+                self.config.num_heads, len(self.default_tree), self.config.head_accuracies, timed=not do_sample
+            )
+        else:
+            step_tree = resolve_tree(tree, self.config.num_heads, self.default_tree)
         was_training = self.training
         self.eval()
         try:
@@ -276,6 +296,10 @@ def _load_base(directory: Path, config: MTPConfig, torch_dtype: Any, device_map:
 
     if (directory / "config.json").is_file():
         source = directory
+    elif config.base_model_name_or_path == "default":  # the embedded SmolLM2 (mtp.default_model)
+        from .default_model import default_model_dir
+
+        source = default_model_dir()
     elif config.base_model_name_or_path:
         source = Path(config.base_model_name_or_path)
         if not source.exists():

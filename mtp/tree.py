@@ -151,7 +151,7 @@ def build_tree(num_nodes: int, num_heads: int, accuracies: Sequence[Sequence[flo
 
 def resolve_tree(spec: object, num_heads: int, default: Tree) -> Tree:
     """Turn the user's `tree=` argument into a Tree: None (model default), "chain", a Tree, or paths."""
-    if spec is None:
+    if spec is None or spec == "default":
         tree = default
     elif isinstance(spec, Tree):
         tree = spec

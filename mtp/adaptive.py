@@ -1,0 +1,113 @@
+"""Adaptive drafting: pick the tree size that maximises tokens per second, and stop drafting when
+the heads miss.
+
+Speculation only pays when the expected tokens per step beat what the step costs. Both change with
+the prompt (code vs chit-chat), the heads and the hardware, so the policy measures both online:
+
+* accuracy:  after every verify step, each tree node whose parent lies on the accepted path is a
+             trial for (depth, rank): hit if its draft equals the base model's choice there. Counts
+             start from a weak prior (the model's measured head accuracies, or generic defaults).
+* cost:      wall seconds per step, an exponential moving average per tree size actually used;
+             sizes not tried yet are estimated from the verify-cost prior relative to what was.
+
+Every `every` steps the policy rebuilds the best tree for each size on a ladder (best-first, from
+the estimated accuracies) and keeps the size with the highest expected-length / expected-seconds.
+With `timed=False` only the prior cost curve is used, so the tree sequence depends on the text alone:
+sampling needs that, because which tree a step uses decides which random numbers it draws, and a
+seeded generate() must give the same tokens on a busy machine as on a quiet one.
+
+Size 1 means no drafting at all (one plain decode step, no head cost); while there, a small probe
+tree runs every `probe_every` steps so the estimates can recover when the text becomes predictable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .tree import DEFAULT_ACCURACIES, Tree, build_tree
+
+LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Forward cost over k new tokens relative to k = 1 (a CPU fp32 curve, conservative for bf16/GPU); the
+# online timings replace it as soon as a size has been used.
+PRIOR_COST = {1: 1.0, 2: 1.3, 3: 1.4, 4: 1.5, 6: 1.5, 8: 1.5, 12: 1.55, 16: 1.6, 24: 1.9, 32: 2.1, 48: 2.8, 64: 3.4}
+
+
+class AdaptiveDraft:
+    def __init__(
+        self,
+        num_heads: int,
+        max_nodes: int,
+        prior_accuracies: Sequence[Sequence[float]] | None = None,
+        prior_cost: dict[int, float] | None = None,
+        prior_weight: float = 4.0,
+        every: int = 4,
+        probe_every: int = 16,
+        max_rank: int = 8,
+        timed: bool = True,
+    ):
+        self.num_heads = num_heads
+        self.sizes = [n for n in LADDER if n <= max(1, max_nodes)]
+        prior = [list(r) for r in (prior_accuracies or DEFAULT_ACCURACIES)][:num_heads]
+        while len(prior) < num_heads:
+            prior.append([x * 0.7 for x in prior[-1]])
+        self.hits = [[prior_weight * (row[r] if r < len(row) else 0.0) for r in range(max_rank)] for row in prior]
+        self.trials = [[prior_weight] * max_rank for _ in prior]
+        self.prior_cost = prior_cost or PRIOR_COST
+        self.seconds: dict[int, float] = {}
+        self.every, self.probe_every = every, probe_every
+        self.timed = timed
+        self.step = 0
+        self._trees: dict[int, Tree] = {}
+        self.current = self._best()
+
+    def accuracies(self) -> list[list[float]]:
+        return [
+            [h / t if t else 0.0 for h, t in zip(hr, tr, strict=True)]
+            for hr, tr in zip(self.hits, self.trials, strict=True)
+        ]
+
+    def _cost(self, n: int) -> float:
+        if n in self.seconds:
+            return self.seconds[n]
+        if not self.seconds:
+            return self._prior(n)
+        # scale the prior by what a measured size actually cost
+        ref_n, ref_s = min(self.seconds.items(), key=lambda kv: abs(kv[0] - n))
+        return ref_s * self._prior(n) / self._prior(ref_n)
+
+    def _prior(self, n: int) -> float:
+        keys = sorted(self.prior_cost)
+        k = min(keys, key=lambda x: (abs(x - n), x))
+        return self.prior_cost[k]
+
+    def _best(self) -> Tree:
+        acc = self.accuracies()
+        best, best_rate = Tree([]), 0.0
+        for n in self.sizes:
+            tree = build_tree(n, self.num_heads, acc)
+            rate = tree.expected_length(acc) / self._cost(len(tree))
+            if rate > best_rate * 1.02:  # prefer the smaller tree unless the bigger one clearly wins
+                best, best_rate = tree, rate
+        return best
+
+    def tree(self) -> Tree:
+        """The tree for the next step (a small probe now and then while not drafting)."""
+        self.step += 1
+        if len(self.current) == 1 and self.step % self.probe_every == 0:
+            return build_tree(min(4, self.sizes[-1]), self.num_heads, self.accuracies())
+        return self.current
+
+    def update(self, tree: Tree, accepted: list[int], seconds: float) -> None:
+        """Record one verify step: the children of every accepted node were trials, hit if accepted."""
+        n = len(tree)
+        if self.timed:
+            self.seconds[n] = seconds if n not in self.seconds else 0.8 * self.seconds[n] + 0.2 * seconds
+        on_path = set(accepted)
+        for parent in accepted:
+            for child in tree.children[parent]:
+                d, r = tree.depths[child] - 1, tree.ranks[child]
+                if r < len(self.trials[d]):
+                    self.trials[d][r] += 1
+                    self.hits[d][r] += child in on_path
+        if self.step % self.every == 0:
+            self.current = self._best()
