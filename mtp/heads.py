@@ -4,6 +4,14 @@ A head type is a small `nn.Module` registered under a name (`@register_head("med
 checkpoint records that name and `build_heads` rebuilds the right class on load. Heads never
 re-implement the base model: they read its final hidden state and project through a vocabulary
 matrix (the base `lm_head`, shared by default, or a copy of their own).
+
+The interface every head type offers (what `MTPModel`, the trainer and the decoder call):
+  forward(hidden, lm_head, num_heads=None, input_ids=None) -> (K, ..., V) logits
+  head_hidden(hidden, num_heads=None, input_ids=None)      -> (K, ..., d) lm_head inputs
+  config_kwargs()             what `build_heads` needs to rebuild it (stored in the checkpoint)
+  make_proposer(base_model)   the drafter `generate()` uses
+A head class that uses parts of the base (embeddings, blocks: `mtp.mtp_modules.MTPModules`) sets
+`needs_base = True` and receives `base_model=` from `build_heads`; it must not save those parts.
 """
 
 from __future__ import annotations
@@ -27,10 +35,16 @@ def register_head(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
     return wrap
 
 
-def build_heads(head_type: str, **kwargs: Any) -> nn.Module:
+def build_heads(head_type: str, base_model: nn.Module | None = None, **kwargs: Any) -> nn.Module:
+    """Instantiate a registered head type; `base_model` goes only to classes that declare `needs_base`."""
     if head_type not in HEAD_TYPES:
         raise ValueError(f"unknown head_type {head_type!r}; known: {sorted(HEAD_TYPES)}")
-    return HEAD_TYPES[head_type](**kwargs)
+    cls = HEAD_TYPES[head_type]
+    if getattr(cls, "needs_base", False):
+        if base_model is None:
+            raise ValueError(f"{head_type!r} heads are built on a base model: pass base_model=")
+        kwargs["base_model"] = base_model
+    return cls(**kwargs)
 
 
 class ResBlock(nn.Module):
@@ -89,14 +103,34 @@ class MedusaHeads(nn.Module):
                 for proj in self.lm_heads:
                     proj.weight.copy_(lm_head.weight)
 
-    def head_hidden(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
-        """Per-head features: (..., d) -> (K, ..., d)."""
+    def make_proposer(self, base_model: nn.Module):
+        from .proposer import MedusaProposer
+
+        return MedusaProposer(self, base_model.get_output_embeddings())
+
+    def head_hidden(
+        self, hidden: torch.Tensor, num_heads: int | None = None, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Per-head features: (..., d) -> (K, ..., d). `input_ids` is ignored (see `forward`)."""
         k = self.num_heads if num_heads is None else num_heads
         return torch.stack([self.blocks[i](hidden) for i in range(k)])
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, num_heads: int | None = None) -> torch.Tensor:
-        """Head logits: (..., d) -> (K, ..., V). `lm_head` is the base projection (shared mode)."""
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        lm_head: nn.Module,
+        num_heads: int | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Head logits: (..., d) -> (K, ..., V). `lm_head` is the base projection (shared mode).
+
+        `input_ids` is accepted for interface parity with token-reading heads and ignored: Medusa heads
+        read the hidden state only.
+        """
         feats = self.head_hidden(hidden, num_heads)  # (K, ..., d)
         if self.lm_heads is None:
             return lm_head(feats)
         return torch.stack([self.lm_heads[i](feats[i]) for i in range(feats.shape[0])])
+
+
+from . import mtp_modules as _mtp_modules  # noqa: E402,F401  (registers head type "mtp")

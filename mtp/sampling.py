@@ -106,16 +106,20 @@ def verify_sampled(
 
     draft[i]:        token at node i (node 0 = root)
     target_probs:    (N, V) p after node i
-    draft_probs:     (D, V) q of depth d+1 (all nodes of one depth were drawn from the same q)
+    draft_probs:     (D, V) q of depth d+1 (all nodes of one depth were drawn from the same q), or
+                     (N, V) q per parent: row i = the q the children of node i were drawn from
+                     (sequential drafters, whose q depends on the path). A tree of depth D has at
+                     least D + 1 nodes, so the two layouts never have the same number of rows.
     Returns the accepted node ids (root first) and the bonus token (from p or from the residual).
     """
+    per_parent = len(tree) > 1 and draft_probs.shape[0] == len(tree)
     node, accepted = 0, [0]
     while True:
         residual = target_probs[node]
         moved = False
         for child in tree.children[node]:
             x = draft[child]
-            q = draft_probs[tree.depths[child] - 1]
+            q = draft_probs[node] if per_parent else draft_probs[tree.depths[child] - 1]
             ratio = float(residual[x]) / max(float(q[x]), 1e-30)
             u = float(torch.rand((), generator=generator))
             if u < min(1.0, ratio):
