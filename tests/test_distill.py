@@ -1,0 +1,87 @@
+"""`mtp distill`: batched generation equals one-at-a-time greedy, output is resumable and trainable."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from test_train_support import tiny_ckpt  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from mtp.cli import app
+from mtp.train.config import DataSection
+from mtp.train.data import load_documents, pack, prepare_data, tokenize_documents
+from mtp.train.distill import load_distilled, read_prompts
+
+runner = CliRunner()
+PROMPTS = [
+    {"prompt": "def add(a, b):"},
+    {"turns": ["Write a haiku about the sea.", "Now a limerick."]},  # MT-Bench rows: the first turn
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]},
+    {"conversations": [{"from": "human", "value": "what is 2+2?"}, {"from": "gpt", "value": "4"}]},
+    {"text": "import os"},
+    {"prompt": "a much longer prompt " * 5},
+]
+
+
+def _distill(tiny_ckpt, data, out, *extra):  # noqa: F811
+    args = ["distill", "--model", str(tiny_ckpt), "--data", str(data), "--out", str(out), "--max-new-tokens", "12",
+            "--batch-size", "4", "--shard-size", "2", "--dtype", "float32", *extra]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_distill_matches_unbatched_greedy_and_resumes(tmp_path, tiny_ckpt):  # noqa: F811
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    assert read_prompts(str(data))[1] == "Write a haiku about the sea."
+    out = tmp_path / "distilled"
+    _distill(tiny_ckpt, data, out, "--limit", "4")
+    assert sorted(load_distilled(out)["prompt_id"]) == [0, 1, 2, 3]
+    shards_before = sorted(p.name for p in out.glob("shard-*"))
+    _distill(tiny_ckpt, data, out)  # resume: only prompts 4 and 5 are new
+    ds = load_distilled(out)
+    assert sorted(ds["prompt_id"]) == list(range(6))
+    assert sorted(p.name for p in out.glob("shard-*"))[: len(shards_before)] == shards_before
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt)).eval()
+    prompts = read_prompts(str(data))
+    for row in ds:
+        prompt = prompts[row["prompt_id"]]
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+        assert row["input_ids"][: row["prompt_len"]] == ids[0].tolist()  # the chat template, as at serving time
+        ref = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+        answer = row["input_ids"][row["prompt_len"] :]
+        eos = model.generation_config.eos_token_id
+        ref_answer = ref[0, ids.shape[1] :].tolist()
+        ref_answer = ref_answer[: ref_answer.index(eos) + 1] if eos in ref_answer else ref_answer
+        assert answer == ref_answer  # left-padded batches change nothing
+        assert row["messages"][0] == {"role": "user", "content": prompt}
+        assert row["messages"][1]["role"] == "assistant"
+
+    # the folder trains directly, with loss on the model's answers only
+    section = DataSection(path=str(out), block_size=8, eval_fraction=0.2)
+    _, mask = pack(tokenize_documents(load_documents(section), tok, section), 1)  # one token per block: no tail
+    assert int(mask.sum()) == sum(len(r["input_ids"]) - r["prompt_len"] for r in ds)  # exactly the answers
+    packed = prepare_data(section, tok, 264, seed=0)
+    assert 0 < torch.cat([packed.train_mask, packed.eval_mask]).float().mean() < 1
+
+
+def test_distill_refuses_mixing_settings(tmp_path, tiny_ckpt):  # noqa: F811
+    data = tmp_path / "p.txt"
+    data.write_text("one\ntwo\n")
+    out = tmp_path / "d"
+    _distill(tiny_ckpt, data, out)
+    result = runner.invoke(app, ["distill", "--model", str(tiny_ckpt), "--data", str(data), "--out", str(out),
+                                 "--max-new-tokens", "99", "--dtype", "float32"])  # fmt: skip
+    assert result.exit_code == 2 and "max_new_tokens" in result.output
+
+
+def test_distill_missing_data(tmp_path, tiny_ckpt):  # noqa: F811
+    result = runner.invoke(app, ["distill", "--model", str(tiny_ckpt), "--data", str(tmp_path / "nope.jsonl"),
+                                 "--out", str(tmp_path / "o")])  # fmt: skip
+    assert result.exit_code == 2 and "not found" in result.output

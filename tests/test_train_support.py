@@ -1,0 +1,81 @@
+"""Shared helpers for the training tests (no tests here): a tiny byte-level checkpoint, stdlib text, configs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mtp.train.config import Config, apply_overrides, config_from_dict
+from mtp.train.tiny import make_tiny_checkpoint
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# A few plain-Python modules that exist on every CPython >= 3.10: real code text, ~100 KB.
+STDLIB_MODULES = ["textwrap.py", "string.py", "shlex.py", "heapq.py", "calendar.py"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def stdlib_files(names: list[str] | None = None) -> list[str]:
+    files = [STDLIB / n for n in (names or STDLIB_MODULES)]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        pytest.skip(f"stdlib sources not installed: {missing}")
+    return [str(f) for f in files]
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A random 2-layer Llama (vocab 264) with a byte-level tokenizer and a chat template."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def base_config(model: Path, output_dir: Path, data: Any = None) -> dict[str, Any]:
+    return {
+        "model": {"path": str(model)},
+        "heads": {"num_heads": 3},
+        "data": {"path": data if data is not None else stdlib_files(), "block_size": 64, "eval_fraction": 0.1},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "train": {
+            "output_dir": str(output_dir),
+            "micro_batch_size": 4,
+            "max_steps": 10,
+            "log_every": 1,
+            "progress": False,
+            "num_threads": 1,
+        },
+    }
+
+
+def make_config(model: Path, output_dir: Path, *overrides: str, data: Any = None) -> Config:
+    return config_from_dict(apply_overrides(base_config(model, output_dir, data), list(overrides)))
+
+
+def write_config(path: Path, model: Path, output_dir: Path, *overrides: str, data: Any = None) -> Path:
+    import yaml
+
+    raw = apply_overrides(base_config(model, output_dir, data), list(overrides))
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def load_heads(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    state.pop("base_probe", None)
+    return state
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

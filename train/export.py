@@ -1,0 +1,81 @@
+"""Turn a training run into a checkpoint the decoder and servers load with `MTPModel.from_pretrained`.
+
+Medusa-1 heads sit on the untouched base, so a heads-only checkpoint (pointing at the base) or a full one
+(base copied in) both work. Medusa-2 heads were trained on the LoRA-adapted backbone: they are only right
+on that backbone, so the adapter is merged into the base weights (`--merge-lora`) and a full checkpoint
+is written; the base-weights probe stored with the heads is then the merged model's, and loading the heads
+on the original base is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from mtp.config import CONFIG_NAME
+from mtp.model import MTPModel
+
+from .checkpointing import ADAPTER_DIR, HEADS_FILE
+from .config import load_saved_config
+from .evaluation import load_eval
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_only: bool = False,
+           dtype: str = "float32") -> Path:  # fmt: skip
+    source, out = Path(source), Path(out)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if not source.is_dir():
+        raise FileNotFoundError(f"training output not found: {source}")
+    has_adapter = (source / ADAPTER_DIR).is_dir()
+    if has_adapter and not merge_lora:
+        raise ValueError(
+            f"{source} holds a LoRA adapter (Medusa-2): its heads only fit the adapted backbone. "
+            "Pass --merge-lora to write a merged checkpoint"
+        )
+    if has_adapter and heads_only:
+        raise ValueError("--heads-only cannot be combined with --merge-lora: the merged base must be written too")
+    if merge_lora and not has_adapter:
+        raise ValueError(f"--merge-lora given but {source} has no {ADAPTER_DIR}/ (a Medusa-1 run?)")
+    model, tokenizer = _load(source, has_adapter, DTYPES[dtype])
+    model.tokenizer = tokenizer
+    accuracies = load_eval(source / "eval_accuracy.json")
+    if accuracies is not None:
+        model.config.head_accuracies = [h["rank_probs"] for h in accuracies["heads"]]
+    if not heads_only:  # the base now lives in `out` itself (merged, for Medusa-2)
+        model.config.base_model_name_or_path = str(out.resolve())
+    return model.save_pretrained(out, heads_only=heads_only)
+
+
+def _load(source: Path, has_adapter: bool, dtype: torch.dtype) -> tuple[MTPModel, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .trainer import resolve_model_path
+
+    if (source / CONFIG_NAME).is_file() and not (source / HEADS_FILE).is_file():  # Medusa-1 final output
+        model = MTPModel.from_pretrained(source, torch_dtype=dtype)
+        base_path = Path(model.config.base_model_name_or_path)
+        return model, AutoTokenizer.from_pretrained(str(base_path))
+    cfg = load_saved_config(source)
+    base_path = resolve_model_path(cfg.model.path)
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32).eval()
+    if has_adapter:
+        from peft import PeftModel
+
+        base = PeftModel.from_pretrained(base, str(source / ADAPTER_DIR)).merge_and_unload().eval()
+    base = base.to(dtype)
+    h = cfg.heads
+    model = MTPModel.from_base(
+        base, num_heads=h.num_heads, head_type=h.head_type, num_layers=h.num_layers, own_lm_head=h.own_lm_head,
+        **h.extra,
+    )  # fmt: skip
+    state = load_file(str(source / HEADS_FILE))
+    model.heads.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    model.config.base_model_name_or_path = str(base_path)
+    tok_path = cfg.model.tokenizer or str(base_path)
+    return model, AutoTokenizer.from_pretrained(tok_path)
