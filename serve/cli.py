@@ -1,0 +1,108 @@
+"""`mtp serve`: the OpenAI-compatible server (registered into the `mtp` command by `mtp.cli`).
+
+Heavy imports (torch, transformers, fastapi, uvicorn) happen inside the command, so `mtp --help`
+stays instant and the serve extras are only needed by people who serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="serve")(serve)
+
+
+def serve(
+    model: Path | None = typer.Option(
+        None, "--model", "-m", help="MTP checkpoint directory. Default: the embedded SmolLM2-135M-Instruct."
+    ),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 exposes the server)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    api_key: str | None = typer.Option(
+        None, envvar="MTP_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health and the page."
+    ),
+    served_model_name: str | None = typer.Option(None, help="Model id clients send (default: the directory name)."),
+    max_queue: int = typer.Option(64, min=0, help="Waiting requests allowed before answering 429."),
+    max_context: int | None = typer.Option(
+        None, min=1, help="Context length (prompt + completion); default: the model's max_position_embeddings."
+    ),
+    dtype: str = typer.Option("float32", help="float32 (exact) | bfloat16."),
+    tree: str = typer.Option(
+        "auto", help="Draft tree: auto (the decoder's default) | default | chain | <node count> | JSON rank paths."
+    ),
+    threads: int | None = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
+    speculation: str = typer.Option(
+        "auto",
+        help="Default for requests that do not send 'speculative': on | off | auto (on, unless the heads are "
+        "untrained: then drafts are almost never accepted and verifying them only costs time).",
+    ),
+    smooth_streaming: bool = typer.Option(
+        True, help="Spread the tokens of one verify step over the step time instead of sending bursts."
+    ),
+    shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds to let running requests finish."),
+    log_level: str = typer.Option("info", help="debug | info | warning | error."),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, with a chat page at / and metrics at /metrics."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+    import uvicorn
+
+    from mtp.cli import _parse_tree
+
+    from .app import ServeConfig, create_app
+    from .engine import ModelRunner
+    from .loading import load_checkpoint, load_default
+    from .prompts import context_length
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if speculation not in ("auto", "on", "off"):
+        raise typer.BadParameter("--speculation must be auto, on or off")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise typer.BadParameter("--dtype must be float32, bfloat16 or float16")
+    torch_dtype = getattr(torch, dtype)
+    try:
+        loaded = load_checkpoint(model, torch_dtype) if model is not None else load_default(torch_dtype)
+        context = context_length(loaded.model, max_context)
+    except (FileNotFoundError, ValueError, OSError, ModuleNotFoundError) as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2) from None
+    runner = ModelRunner(loaded.model, loaded.tokenizer, tree=None if tree == "auto" else _parse_tree(tree))
+    default_speculative = speculation == "on" or (speculation == "auto" and loaded.trained_heads)
+    note = loaded.note
+    if not default_speculative:
+        note += ("; " if note else "") + "speculation off by default (switch it on per request)"
+        logging.getLogger("mtp.serve").warning(
+            'speculation is off by default (--speculation %s); requests can turn it on with "speculative": true',
+            speculation,
+        )
+    config = ServeConfig(
+        model_name=served_model_name or loaded.name,
+        max_context=context,
+        api_key=api_key or None,
+        max_queue=max_queue,
+        smooth_streaming=smooth_streaming,
+        default_speculative=default_speculative,
+        note=note,
+    )
+    app = create_app(runner, config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=shutdown_timeout,
+            access_log=log_level == "debug",
+        )
+    )
+    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal so outer handlers run.
+    # Ours turns that into exit status 0: the shutdown was graceful, not a crash.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    server.run()
