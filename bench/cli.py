@@ -1,0 +1,124 @@
+"""`mtp bench`: MT-Bench speed benchmark and the verify-cost curve."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import typer
+
+ALL_METHODS = "plain,prompt_lookup,assisted,chain,tree"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def bench(
+    model: str = typer.Option("default", help="'default' (SmolLM2 + shipped heads) or an MTP checkpoint dir."),
+    heads: str = typer.Option("", help="Heads dir for the default model (default: the shipped heads)."),
+    limit: int = typer.Option(80, help="MT-Bench questions (round-robin over categories)."),
+    max_new_tokens: int = typer.Option(256),
+    dtypes: str = typer.Option("float32,bfloat16", help="Comma-separated dtypes."),
+    methods: str = typer.Option(ALL_METHODS, help="Comma-separated subset of: " + ALL_METHODS),
+    tree: str = typer.Option("auto", help="Tree for the 'tree' method: auto | default | <node count> | JSON paths."),
+    assistant_layers: int = typer.Option(6, help="Layers of the layer-skip assistant for 'assisted'."),
+    out: Path = typer.Option(Path("bench/results"), help="Where results.json/.md/.png go."),
+    verify_cost: bool = typer.Option(True, help="Also measure the verify-cost curve per dtype."),
+    threads: int = typer.Option(0, help="torch threads (0: torch default)."),
+) -> None:
+    """Batch 1, greedy, MT-Bench first turns: plain vs prompt lookup vs assisted vs ours (chain, tree)."""
+    import torch
+
+    from mtp.cli import _parse_tree
+
+    from .methods import assisted, ours, plain, prompt_lookup, truncated_assistant
+    from .mtbench import load_mtbench
+    from .run import markdown_table, run_prompts, summary_rows, write_outputs
+    from .verify_cost import relative, verify_cost_curve
+
+    if threads:
+        torch.set_num_threads(threads)
+    wanted = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = set(wanted) - set(ALL_METHODS.split(","))
+    if unknown:
+        raise typer.BadParameter(f"unknown methods {sorted(unknown)}")
+    if "plain" not in wanted:
+        wanted.insert(0, "plain")
+    questions = load_mtbench(limit=limit)
+    rows, stats_by_dtype, costs = [], {}, {}
+    t_start = time.perf_counter()
+    for dt in [d.strip() for d in dtypes.split(",") if d.strip()]:
+        torch_dtype = getattr(torch, dt)
+        mtp_model, tokenizer = _load(model, heads, torch_dtype)
+        prompts = []
+        for q in questions:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": q.turns[0]}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+            )["input_ids"]
+            prompts.append((q.question_id, q.category, ids))
+        table = {"plain": plain(mtp_model)}
+        for name in wanted:
+            if name == "prompt_lookup":
+                table[name] = prompt_lookup(mtp_model)
+            elif name == "assisted":
+                table[name] = assisted(mtp_model, truncated_assistant(mtp_model.base_model, assistant_layers))
+            elif name == "chain":
+                table[name] = ours(mtp_model, "chain")
+            elif name == "tree":
+                table[name] = ours(mtp_model, _parse_tree(tree))
+        mtp_model.generate(prompts[0][2][:, :8], max_new_tokens=4)  # warm-up
+        typer.echo(f"[{dt}] {len(prompts)} prompts x {list(table)}")
+
+        def progress(name, qid, seconds, dt=dt):
+            typer.echo(f"  [{dt}] q{qid} {name}: {seconds:.1f}s")
+
+        stats = run_prompts(table, prompts, max_new_tokens, dt, progress)
+        stats_by_dtype[dt] = stats
+        rows.extend(summary_rows(stats))
+        if verify_cost:
+            costs[dt] = {k: round(v, 3) for k, v in relative(verify_cost_curve(mtp_model.base_model)).items()}
+            typer.echo(f"[{dt}] verify cost (relative to k=1): {costs[dt]}")
+    meta = {
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+        "tree": tree,
+        "assistant": f"layer-skip: first {assistant_layers} layers of the base (untrained)",
+        "verify_cost": costs,
+        "wall_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    write_outputs(out, rows, stats_by_dtype, meta)
+    typer.echo(markdown_table(rows))
+    typer.echo(json.dumps(meta, indent=2))
+    typer.echo(f"wrote {out}/results.json, results.md, results.png")
+
+
+def _load(model: str, heads: str, torch_dtype):
+    from transformers import AutoTokenizer
+
+    from mtp import MTPModel
+    from mtp.default_model import load_default_mtp
+
+    if model == "default":
+        mtp_model, tokenizer, _ = load_default_mtp(torch_dtype, heads or None)
+        return mtp_model, tokenizer
+    mtp_model = MTPModel.from_pretrained(model, torch_dtype=torch_dtype)
+    return mtp_model, AutoTokenizer.from_pretrained(model)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)
