@@ -23,6 +23,7 @@ from torch import nn
 from .config import HEADS_NAME
 
 PROBE_KEY = "base_probe"
+DRAFT_VOCAB_KEY = "draft_vocab"  # optional: token ids the heads draft from (mtp.draft_vocab)
 _PROBE_PER_TENSOR = 16
 
 
@@ -51,15 +52,20 @@ def probes_match(saved: torch.Tensor, actual: torch.Tensor) -> bool:
     return bool(close.float().mean() > 0.99)
 
 
-def save_heads(heads: nn.Module, directory: Path, probe: torch.Tensor) -> Path:
+def save_heads(heads: nn.Module, directory: Path, probe: torch.Tensor, draft_vocab: torch.Tensor | None = None) -> Path:
     tensors = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
     tensors[PROBE_KEY] = probe.contiguous()
+    if draft_vocab is not None:
+        tensors[DRAFT_VOCAB_KEY] = draft_vocab.detach().to(torch.long).contiguous().cpu()
     path = directory / HEADS_NAME
     save_file(tensors, str(path), metadata={"format": "pt"})
     return path
 
 
-def load_heads_state(directory: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def load_heads_state(
+    directory: Path,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    """(head tensors, base probe or None, draft vocabulary or None)."""
     path = directory / HEADS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"no {HEADS_NAME} in {directory}: the MTP checkpoint is incomplete")
@@ -68,7 +74,8 @@ def load_heads_state(directory: Path) -> tuple[dict[str, torch.Tensor], torch.Te
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
     probe = state.pop(PROBE_KEY, None)
-    return state, probe
+    draft_vocab = state.pop(DRAFT_VOCAB_KEY, None)
+    return state, probe, draft_vocab
 
 
 def check_heads_state(heads: nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:

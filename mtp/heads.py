@@ -103,10 +103,11 @@ class MedusaHeads(nn.Module):
                 for proj in self.lm_heads:
                     proj.weight.copy_(lm_head.weight)
 
-    def make_proposer(self, base_model: nn.Module):
+    def make_proposer(self, base_model: nn.Module, lm_head: nn.Module | None = None):
+        """`lm_head`: the drafting projection (default: the base's; a DraftProjection restricts it)."""
         from .proposer import MedusaProposer
 
-        return MedusaProposer(self, base_model.get_output_embeddings())
+        return MedusaProposer(self, lm_head if lm_head is not None else base_model.get_output_embeddings())
 
     def head_hidden(
         self, hidden: torch.Tensor, num_heads: int | None = None, input_ids: torch.Tensor | None = None

@@ -32,6 +32,7 @@ from .decoding import (
     resolve_stopping,
     speculative_generate,
 )
+from .draft_vocab import DraftProjection
 from .heads import build_heads
 from .proposer import MedusaProposer, Proposer
 from .sampling import SamplingParams
@@ -55,6 +56,8 @@ class MTPModel(nn.Module):
         self.config = config
         self.info: BaseInfo = describe(base_model)
         self.tokenizer = None  # optional; saved alongside the checkpoint when set
+        self.draft_vocab: torch.Tensor | None = None  # see set_draft_vocab
+        object.__setattr__(self, "_draft_projection", None)  # a cache, not a submodule
         self.train(base_model.training)  # inherit the base's mode: eval() bases stay dropout-free
 
     # ---- construction -------------------------------------------------------------------------
@@ -111,7 +114,7 @@ class MTPModel(nn.Module):
         if not directory.is_dir():
             raise FileNotFoundError(f"MTP checkpoint directory not found: {directory}")
         config = MTPConfig.load(directory)
-        state, probe = load_heads_state(directory)
+        state, probe, draft_vocab = load_heads_state(directory)
         if base_model is None:
             base_model = _load_base(directory, config, torch_dtype, device_map)
         info = describe(base_model)
@@ -138,7 +141,24 @@ class MTPModel(nn.Module):
             )
         param = next(base_model.parameters())
         heads.to(device=param.device, dtype=param.dtype)
-        return cls(base_model, heads, config)
+        model = cls(base_model, heads, config)
+        if draft_vocab is not None:
+            model.set_draft_vocab(draft_vocab)
+        return model
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Draft only from these token ids (see mtp.draft_vocab); None drafts from the whole vocabulary.
+
+        Output never changes (the base verifies with its full lm_head); drafting gets cheaper, and a
+        draft is lost where the base picks a token outside the set. Saved with the heads.
+        """
+        if token_ids is not None:
+            token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
+            if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.info.vocab_size:
+                raise ValueError(f"draft vocabulary ids must be non-empty and in 0..{self.info.vocab_size - 1}")
+            token_ids = torch.unique(token_ids)
+        self.draft_vocab = token_ids
+        object.__setattr__(self, "_draft_projection", None)
 
     def save_pretrained(self, directory: str | Path, heads_only: bool = False) -> Path:
         """Write heads (+ the base unless `heads_only`) as safetensors, plus `mtp_config.json`."""
@@ -150,7 +170,7 @@ class MTPModel(nn.Module):
             self.base_model.save_pretrained(directory)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(directory)
-        save_heads(self.heads, directory, probe)
+        save_heads(self.heads, directory, probe, self.draft_vocab)
         self.config.save(directory)
         return directory
 
@@ -181,10 +201,18 @@ class MTPModel(nn.Module):
 
     def make_proposer(self) -> Proposer:
         """The drafter for one generate() call; each head type brings its own (`heads.make_proposer`)."""
+        lm_head = self.base_model.get_output_embeddings()
+        if self.draft_vocab is not None:
+            proj = self._draft_projection
+            w = lm_head.weight
+            if proj is None or proj.weight.dtype != w.dtype or proj.weight.device != w.device:
+                proj = DraftProjection(lm_head, self.draft_vocab)
+                object.__setattr__(self, "_draft_projection", proj)
+            lm_head = proj
         make = getattr(self.heads, "make_proposer", None)
         if make is not None:
-            return make(self.base_model)
-        return MedusaProposer(self.heads, self.base_model.get_output_embeddings())
+            return make(self.base_model, lm_head=lm_head)
+        return MedusaProposer(self.heads, lm_head)
 
     @torch.inference_mode()
     def generate(

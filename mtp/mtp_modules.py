@@ -205,10 +205,11 @@ class MTPModules(nn.Module):
     def config_kwargs(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers}
 
-    def make_proposer(self, base_model: nn.Module):
+    def make_proposer(self, base_model: nn.Module, lm_head: nn.Module | None = None):
+        """`lm_head`: the drafting projection (default: the base's; a DraftProjection restricts it)."""
         from .proposer import MTPProposer
 
-        return MTPProposer(self, base_model.get_output_embeddings())
+        return MTPProposer(self, lm_head if lm_head is not None else base_model.get_output_embeddings())
 
     # ---- one module ---------------------------------------------------------------------------
 
