@@ -86,12 +86,17 @@ def export_command(
     merge_lora: bool = typer.Option(False, "--merge-lora", help="Merge a Medusa-2 LoRA adapter into the base."),
     heads_only: bool = typer.Option(False, "--heads-only", help="Write heads + config only (Medusa-1)."),
     dtype: str = typer.Option("float32", help="dtype of the written base weights."),
+    draft_vocab: int = typer.Option(0, help="Draft only from the N most frequent tokens of --draft-data (0: all)."),
+    draft_data: Path = typer.Option(None, help="mtp distill output whose answers --draft-vocab counts."),
 ) -> None:
     """Write a servable MTP checkpoint (MTPModel.from_pretrained) from a training run."""
     from .export import export
 
     try:
-        path = export(source, out, merge_lora=merge_lora, heads_only=heads_only, dtype=dtype)
+        path = export(
+            source, out, merge_lora=merge_lora, heads_only=heads_only, dtype=dtype,
+            draft_vocab=draft_vocab, draft_data=draft_data,
+        )  # fmt: skip
     except USER_ERRORS as e:
         raise typer.Exit(code=_error(str(e))) from e
     typer.echo(f"wrote {path}")

@@ -26,8 +26,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_only: bool = False,
-           dtype: str = "float32") -> Path:  # fmt: skip
+           dtype: str = "float32", draft_vocab: int = 0, draft_data: str | Path | None = None) -> Path:  # fmt: skip
+    """`draft_vocab` > 0: the heads draft only from the that many most frequent tokens of `draft_data`
+    (a `mtp distill` output or any `save_to_disk` dataset with `input_ids`; see mtp.draft_vocab)."""
     source, out = Path(source), Path(out)
+    if draft_vocab and draft_data is None:
+        raise ValueError("--draft-vocab needs --draft-data: the token ids to count (e.g. the mtp distill output)")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not source.is_dir():
@@ -49,7 +53,27 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_
         model.config.head_accuracies = [h["rank_probs"] for h in accuracies["heads"]]
     if not heads_only:  # the base now lives in `out` itself (merged, for Medusa-2)
         model.config.base_model_name_or_path = str(out.resolve())
+    if draft_vocab:
+        model.set_draft_vocab(_draft_vocab(Path(draft_data), draft_vocab, model, tokenizer))
     return model.save_pretrained(out, heads_only=heads_only)
+
+
+def _draft_vocab(data: Path, size: int, model: MTPModel, tokenizer: Any) -> torch.Tensor:
+    from mtp.draft_vocab import coverage, frequent_tokens
+
+    from .distill import load_distilled
+
+    if not data.is_dir():
+        raise FileNotFoundError(f"--draft-data {data} is not a dataset directory")
+    rows = load_distilled(data)
+    if "input_ids" not in rows.column_names:
+        raise ValueError(f"--draft-data {data} has no input_ids column (expected a mtp distill output)")
+    prompt_lens = rows["prompt_len"] if "prompt_len" in rows.column_names else [0] * len(rows)
+    answers = [ids[n:] for ids, n in zip(rows["input_ids"], prompt_lens, strict=True)]  # what the model writes
+    special = [t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None]
+    ids = frequent_tokens(answers, size, model.info.vocab_size, always=special)
+    print(f"draft vocabulary: {len(ids)} tokens cover {coverage(answers, ids):.2%} of {data}'s answer tokens")
+    return ids
 
 
 def _load(source: Path, has_adapter: bool, dtype: torch.dtype) -> tuple[MTPModel, Any]:
@@ -59,7 +83,7 @@ def _load(source: Path, has_adapter: bool, dtype: torch.dtype) -> tuple[MTPModel
 
     if (source / CONFIG_NAME).is_file() and not (source / HEADS_FILE).is_file():  # Medusa-1 final output
         model = MTPModel.from_pretrained(source, torch_dtype=dtype)
-        base_path = Path(model.config.base_model_name_or_path)
+        base_path = resolve_model_path(model.config.base_model_name_or_path)
         return model, AutoTokenizer.from_pretrained(str(base_path))
     cfg = load_saved_config(source)
     base_path = resolve_model_path(cfg.model.path)
@@ -76,6 +100,6 @@ def _load(source: Path, has_adapter: bool, dtype: torch.dtype) -> tuple[MTPModel
     )  # fmt: skip
     state = load_file(str(source / HEADS_FILE))
     model.heads.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-    model.config.base_model_name_or_path = str(base_path)
+    model.config.base_model_name_or_path = "default" if cfg.model.path == "default" else str(base_path)
     tok_path = cfg.model.tokenizer or str(base_path)
     return model, AutoTokenizer.from_pretrained(tok_path)

@@ -86,7 +86,8 @@ def build_model(cfg: Config, base: nn.Module, base_path: Path) -> tuple[MTPModel
         **h.extra,
     )  # fmt: skip
     mtp_model.heads.float()
-    mtp_model.config.base_model_name_or_path = str(base_path)
+    # "default" stays a sentinel (resolved at load time), so heads for the embedded model load on any machine
+    mtp_model.config.base_model_name_or_path = "default" if cfg.model.path == "default" else str(base_path)
     for p in base.parameters():
         p.requires_grad_(False)
     peft_model = None
