@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import torch
 from test_train_support import tiny_ckpt  # noqa: F401
@@ -85,3 +86,33 @@ def test_distill_missing_data(tmp_path, tiny_ckpt):  # noqa: F811
     result = runner.invoke(app, ["distill", "--model", str(tiny_ckpt), "--data", str(tmp_path / "nope.jsonl"),
                                  "--out", str(tmp_path / "o")])  # fmt: skip
     assert result.exit_code == 2 and "not found" in result.output
+
+
+def test_export_draft_vocab_from_distilled_answers(tmp_path, tiny_ckpt):  # noqa: F811
+    """`mtp export --draft-vocab N --draft-data <distill out>`: the N most frequent answer tokens, saved."""
+    from test_train_support import make_config
+
+    from mtp import MTPModel
+    from mtp.train.trainer import train
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "distilled"
+    _distill(tiny_ckpt, data, out)
+    run = tmp_path / "run"
+    train(make_config(tiny_ckpt, run, "train.max_steps=2"))
+    exported = tmp_path / "heads"
+    args = ["export", str(run), "--heads-only", "--out", str(exported), "--draft-vocab", "8", "--draft-data", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "draft vocabulary: 8 tokens cover" in result.output
+    model = MTPModel.from_pretrained(exported)
+    assert model.draft_vocab is not None and model.draft_vocab.numel() == 8
+    rows = load_distilled(out)
+    answers = [t for ids, n in zip(rows["input_ids"], rows["prompt_len"], strict=True) for t in ids[n:]]
+    top = {t for t, _ in Counter(answers).most_common(4)}
+    assert top <= set(model.draft_vocab.tolist())  # the most frequent answer tokens are in
+    missing = runner.invoke(
+        app, ["export", str(run), "--heads-only", "--out", str(tmp_path / "x"), "--draft-vocab", "8"]
+    )
+    assert missing.exit_code != 0 and "--draft-data" in missing.output
