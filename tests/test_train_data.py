@@ -82,6 +82,22 @@ def test_pretokenized_rows_mask_the_prompt(tmp_path):
     assert tok[0]["loss_mask"] == [0] * 4 + [1] * 6
 
 
+def test_distilled_ids_and_chat_sources_mix_in_one_run(tmp_path):
+    """`data.path: [<mtp distill out>, sharegpt]`: rows of one source have None in the other's columns."""
+    ids_path = tmp_path / "ids.jsonl"
+    ids_path.write_text(json.dumps({"input_ids": list(range(10, 20)), "prompt_len": 4}) + "\n")
+    chat_path = tmp_path / "chat.jsonl"
+    opens_with_answer = [{"role": "assistant", "content": "hello"}, *CHAT]  # ShareGPT has such conversations
+    only_answer = [{"role": "assistant", "content": "orphan"}]
+    chat_path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (CHAT, opens_with_answer, only_answer)))
+    data = DataSection(path=[str(ids_path), str(chat_path)])
+    tok = tokenize_documents(load_documents(data), TOK, data)
+    assert tok[0]["loss_mask"] == [0] * 4 + [1] * 6
+    assert tok[1]["input_ids"] == render_chat(TOK, CHAT, True)[0]
+    assert tok[2]["input_ids"] == tok[1]["input_ids"]  # the leading answer without a question is dropped
+    assert tok[3]["input_ids"] == []
+
+
 def test_pack_and_split_are_disjoint_and_seeded(tmp_path):
     data = DataSection(path=stdlib_files(["textwrap.py"]), block_size=32, eval_fraction=0.1)
     a = prepare_data(data, TOK, 264, seed=0)

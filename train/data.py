@@ -199,6 +199,12 @@ def render_chat(tokenizer: Any, messages: list[dict], assistant_only: bool) -> t
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("chat data needs a tokenizer with a chat template; this tokenizer has none")
+    # An answer with no question before it (ShareGPT has conversations that open with the assistant)
+    # cannot be rendered as an assistant turn; drop such leading turns.
+    while messages and messages[0].get("role") == "assistant":
+        messages = messages[1:]
+    if not messages:
+        return [], []
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans: list[tuple[int, int]] = []
     if assistant_only:
@@ -227,11 +233,12 @@ def tokenize_documents(ds: Any, tokenizer: Any, data: DataSection) -> Any:
         ids_out, mask_out = [], []
         n = len(next(iter(batch.values())))
         for i in range(n):
-            if "input_ids" in batch:
+            # a column may be None in rows from another source (distilled ids + ShareGPT chats in one run)
+            if batch.get("input_ids") is not None and batch["input_ids"][i] is not None:
                 ids = list(batch["input_ids"][i])
-                start = batch["prompt_len"][i] if "prompt_len" in batch and assistant_only else 0
+                start = (batch.get("prompt_len") or [0] * n)[i] or 0 if assistant_only else 0
                 mask = [0] * start + [1] * (len(ids) - start)
-            elif "messages" in batch:
+            elif batch.get("messages") is not None and batch["messages"][i] is not None:
                 ids, mask = render_chat(tokenizer, batch["messages"][i], assistant_only)
             else:
                 ids = tokenizer(batch["text"][i], add_special_tokens=False, verbose=False)["input_ids"]
