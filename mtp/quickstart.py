@@ -8,6 +8,7 @@ same tokens, and prints tokens/s, τ and the speedup.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import typer
 
@@ -38,6 +39,9 @@ def quickstart(
     dtype: str = typer.Option("float32", help="float32 (exact) or bfloat16."),
     heads: str = typer.Option("", help="Heads directory (default: the heads shipped for SmolLM2)."),
     tree: str = typer.Option("auto", help="auto (adaptive) | default | chain | <node count>."),
+    train_minutes: float = typer.Option(
+        0.0, help="First train fresh MTP heads for this many minutes (cached: a second run reuses them)."
+    ),
     threads: int = typer.Option(0, help="torch threads (0: leave torch's default)."),
 ) -> None:
     """Answer a customer-support question with plain and self-speculative decoding, and compare."""
@@ -49,6 +53,10 @@ def quickstart(
     if threads:
         torch.set_num_threads(threads)
     heads_dir = heads or None
+    if train_minutes > 0:
+        if heads:
+            raise typer.BadParameter("--heads and --train-minutes exclude each other")
+        heads_dir = str(train_quick_heads(train_minutes, dtype))
     t0 = time.perf_counter()
     model, tokenizer, trained = load_default_mtp(getattr(torch, dtype), heads_dir)
     typer.echo(f"loaded SmolLM2-135M-Instruct ({dtype}) in {time.perf_counter() - t0:.1f}s")
@@ -87,6 +95,41 @@ def quickstart(
     typer.echo(f"speedup: {t_plain / t_spec:.2f}x   identical to plain generate(): {same}")
     if not same:
         raise typer.Exit(code=1)
+
+
+def train_quick_heads(minutes: float, dtype: str = "float32") -> Path:
+    """Train 3 MTP modules on the default model for `minutes`, the same way the shipped heads were made
+    (`configs/smollm2-mtp.yaml`) but on ShareGPT alone with soft targets (the model's own next-token
+    distribution), so no distillation pass is needed first. Cached per duration."""
+    from .default_model import cache_root
+    from .train.config import config_from_dict
+    from .train.trainer import train
+
+    out = cache_root() / f"quickstart-heads-{minutes:g}min"
+    if (out / "mtp_config.json").is_file():
+        typer.echo(f"reusing heads trained for {minutes:g} min in {out}")
+        return out
+    typer.echo(f"training 3 MTP modules for {minutes:g} min on ShareGPT (heads only, frozen SmolLM2) -> {out}")
+    cfg = config_from_dict(
+        {
+            "mode": "medusa1",
+            "model": {"path": "default", "dtype": "bfloat16"},
+            "heads": {"head_type": "mtp", "num_heads": 3, "num_layers": 1},
+            "loss": {"decay": 0.8, "soft_targets": True, "soft_weight": 1.0},
+            "data": {"path": "sharegpt", "max_documents": 400, "block_size": 512, "eval_max_blocks": 8},
+            "optim": {"lr": 1.0e-3, "schedule": "constant", "warmup_steps": 5},
+            "train": {
+                "output_dir": str(out),
+                "micro_batch_size": 8,
+                "max_steps": 100_000,  # the time budget ends the run
+                "max_minutes": minutes,
+                "log_every": 1,
+                "resume": "auto",  # an interrupted run continues within the same time budget
+            },
+        }
+    )
+    train(cfg)
+    return out
 
 
 def register(app: typer.Typer) -> None:

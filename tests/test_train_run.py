@@ -170,3 +170,14 @@ def _port() -> int:
 
 def test_stdlib_files_exist():
     assert len(stdlib_files()) == 5 and all(Path(f).stat().st_size > 1000 for f in stdlib_files())
+
+
+def test_time_boxed_run_finishes_with_servable_heads(tmp_path, tiny_ckpt):  # noqa: F811
+    """train.max_minutes ends a run as a finished one (what `mtp quickstart --train-minutes` relies on)."""
+    out = tmp_path / "boxed"
+    train(make_config(tiny_ckpt, out, "train.max_steps=100000", "train.max_minutes=0.02", "train.eval_at_start=false"))
+    steps = [m["step"] for m in read_metrics(out) if "step" in m]
+    assert 0 < max(steps) < 100000
+    assert (out / "eval_accuracy.json").is_file()
+    model = MTPModel.from_pretrained(out)
+    assert model.config.head_accuracies is not None

@@ -97,6 +97,7 @@ class TrainSection:
     grad_accum: int = 1
     max_steps: int = 1000  # optimizer steps; also the length of the lr schedule
     stop_after_steps: int | None = None  # end early (with a checkpoint) but keep the schedule of max_steps
+    max_minutes: float | None = None  # finish the run (final eval, heads written) after this much training time
     seed: int = 0
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the start and the end
@@ -240,6 +241,8 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'loss.soft_weight' must be in [0, 1], got {cfg.loss.soft_weight}")
     if not cfg.data.path:
         raise ConfigError("config key 'data.path' is required (a file, glob, directory or 'sharegpt')")
+    if cfg.train.max_minutes is not None and cfg.train.max_minutes <= 0:
+        raise ConfigError(f"config key 'train.max_minutes' must be > 0, got {cfg.train.max_minutes}")
     if cfg.train.stop_after_steps is not None and cfg.train.stop_after_steps < 1:
         raise ConfigError(f"config key 'train.stop_after_steps' must be >= 1, got {cfg.train.stop_after_steps}")
     if cfg.deepspeed is not None and not Path(cfg.deepspeed).is_file():

@@ -294,6 +294,7 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
     step_tokens = cfg.train.micro_batch_size * cfg.data.block_size * cfg.train.grad_accum * env.world_size
     t_last, tokens_last = time.perf_counter(), state.tokens
     window: list[StepResult] = []  # steps since the last log line
+    finished_at = cfg.train.max_steps
     while state.step < stop:
         lrs = set_lr(step_optimizer, cfg, state.step)
         t0 = time.perf_counter()
@@ -314,18 +315,30 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
             res = _evaluate(module, data, cfg, env, state.step)
             tracker.log(state.step, {f"eval/head{h.head}_top1": h.top1 for h in res.heads})
             tracker.write(format_table(res, before))
+        if cfg.train.max_minutes is not None and _time_up(env, state.elapsed_s, cfg.train.max_minutes):
+            stop = finished_at = state.step  # a time-boxed run ends as a finished one
         at_end = state.step == stop
-        if (cfg.train.save_every and state.step % cfg.train.save_every == 0) or (at_end and stop < cfg.train.max_steps):
+        if (cfg.train.save_every and state.step % cfg.train.save_every == 0) or (at_end and stop < finished_at):
             save_checkpoint(out, state, cfg, env, mtp_model.heads, peft_model, optimizer, engine,
                             keep=cfg.train.save_total_limit)  # fmt: skip
     tracker.close_bar()
-    if state.step >= cfg.train.max_steps:
+    if state.step >= finished_at:
+        if finished_at < cfg.train.max_steps:
+            tracker.write(f"train.max_minutes={cfg.train.max_minutes} reached at step {state.step}")
         _finish(cfg, env, out, module, mtp_model, peft_model, engine, data, state, before, tracker, tokenizer)
     else:
         tracker.write(f"stopped after step {state.step} of {cfg.train.max_steps} (train.stop_after_steps); "
                       f"run again to resume from {out}/checkpoint-{state.step}")  # fmt: skip
     tracker.close()
     return out
+
+
+def _time_up(env, elapsed_s: float, max_minutes: float) -> bool:
+    """Every rank must stop at the same step: rank 0's clock decides."""
+    up = torch.tensor([float(elapsed_s >= max_minutes * 60)])
+    if env.world_size > 1:
+        up = D.sum_over_ranks(env, up * float(env.rank == 0))
+    return bool(up.item() > 0)
 
 
 def _resume(directory: Path, fresh: TrainerState, env, module, peft_model, optimizer, engine) -> TrainerState:
