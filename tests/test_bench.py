@@ -1,0 +1,67 @@
+"""The benchmark's bookkeeping on a tiny model: identity check, difference reports, outputs.
+
+Speed itself is never asserted here (benchmarks measure it); what must be right is that every method
+runs on the same prompts and that a method whose output differs from plain generate() is caught, with the
+position and the reference's top-2 margin there.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mtp.bench import methods as M
+from mtp.bench.run import first_difference, markdown_table, run_prompts, summary_rows, top2_margin, write_outputs
+
+
+def _broken(model) -> M.Method:
+    """Plain greedy with the 3rd new token replaced: what a buggy decoder would return."""
+
+    def run(ids: torch.Tensor, max_new: int) -> M.MethodResult:
+        seq = model.base_model.generate(ids, max_new_tokens=max_new, do_sample=False).clone()
+        seq[0, ids.shape[1] + 2] = (seq[0, ids.shape[1] + 2] + 1) % model.info.vocab_size
+        return M.MethodResult(seq)
+
+    return run
+
+
+def test_identity_check_and_difference_report(fitted, tmp_path):
+    model, prompts, seqs = fitted("llama")
+    methods = {
+        "plain": M.plain(model),
+        "prompt_lookup": M.prompt_lookup(model, num_tokens=3),
+        "chain": M.ours(model, "chain"),
+        "tree": M.ours(model, None),
+        "broken": _broken(model),
+    }
+    max_new = seqs[0].shape[1] - prompts[0].shape[1]
+    batch = [(i, ["writing", "coding"][i % 2], p) for i, p in enumerate(prompts)]
+    stats = run_prompts(methods, batch, max_new, "float32")
+    n = len(prompts)
+    for name in ("plain", "prompt_lookup", "chain", "tree"):
+        assert stats[name].identical == n and not stats[name].differences, name
+    assert stats["tree"].tau > 2.0  # fitted heads: the comparison exercises real acceptance
+    broken = stats["broken"]
+    assert broken.identical == 0 and [d.position for d in broken.differences] == [2] * n
+    assert all(d.ref_margin >= 0 for d in broken.differences)
+
+    rows = summary_rows(stats)
+    by_name = {r["method"]: r for r in rows}
+    assert by_name["plain"]["speedup"] == 1.0 and by_name["broken"]["identical"] == f"0/{n}"
+    assert set(by_name["tree"]["per_category_speedup"]) == {"writing", "coding"}
+    table = markdown_table(rows)
+    assert table.count("\n") == 2 + len(methods)
+    write_outputs(tmp_path, rows, {"float32": stats}, {"cpu": "test"})
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["rows"][0]["method"] == "plain"
+    assert (tmp_path / "results.png").stat().st_size > 1000
+
+
+def test_first_difference_and_margin():
+    ref = torch.tensor([[1, 2, 3, 4, 5]])
+    assert first_difference(ref, ref.clone(), 2) is None
+    assert first_difference(ref, torch.tensor([[1, 2, 3, 9, 5]]), 2) == 1
+    assert first_difference(ref, torch.tensor([[1, 2, 3, 4]]), 2) == 2  # shorter: differs where it ends
+    assert top2_margin(torch.tensor([0.5, 2.0, 1.25])) == pytest.approx(0.75)
