@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-ALL_METHODS = "plain,prompt_lookup,assisted,chain,tree"
+ALL_METHODS = "plain,prompt_lookup,assisted,chain,tree,auto"
 
 
 def _cpu_name() -> str:
@@ -29,15 +29,19 @@ def bench(
     max_new_tokens: int = typer.Option(256),
     dtypes: str = typer.Option("float32,bfloat16", help="Comma-separated dtypes."),
     methods: str = typer.Option(ALL_METHODS, help="Comma-separated subset of: " + ALL_METHODS),
-    tree: str = typer.Option("auto", help="Tree for the 'tree' method: auto | default | <node count> | JSON paths."),
+    tree: str = typer.Option("default", help="Tree for the 'tree' method: default | <node count> | JSON paths."),
+    extra_heads: str = typer.Option(
+        "", help="More heads on the same base, 'name=dir,...': each adds '<name>-chain' and '<name>-tree'."
+    ),
     assistant_layers: int = typer.Option(6, help="Layers of the layer-skip assistant for 'assisted'."),
     out: Path = typer.Option(Path("bench/results"), help="Where results.json/.md/.png go."),
     verify_cost: bool = typer.Option(True, help="Also measure the verify-cost curve per dtype."),
     threads: int = typer.Option(0, help="torch threads (0: torch default)."),
 ) -> None:
-    """Batch 1, greedy, MT-Bench first turns: plain vs prompt lookup vs assisted vs ours (chain, tree)."""
+    """Batch 1, greedy, MT-Bench first turns: plain vs prompt lookup vs assisted vs ours (chain, tree, auto)."""
     import torch
 
+    from mtp import MTPModel
     from mtp.cli import _parse_tree
 
     from .methods import assisted, ours, plain, prompt_lookup, truncated_assistant
@@ -78,6 +82,15 @@ def bench(
                 table[name] = ours(mtp_model, "chain")
             elif name == "tree":
                 table[name] = ours(mtp_model, _parse_tree(tree))
+            elif name == "auto":
+                table[name] = ours(mtp_model, None)
+        for spec in [x for x in extra_heads.split(",") if x.strip()]:
+            label, _, directory = spec.partition("=")
+            if not directory:
+                raise typer.BadParameter(f"--extra-heads wants name=dir, got {spec!r}")
+            other = MTPModel.from_pretrained(directory.strip(), base_model=mtp_model.base_model)
+            table[f"{label.strip()}-chain"] = ours(other, "chain")
+            table[f"{label.strip()}-tree"] = ours(other, _parse_tree(tree))
         mtp_model.generate(prompts[0][2][:, :8], max_new_tokens=4)  # warm-up
         typer.echo(f"[{dt}] {len(prompts)} prompts x {list(table)}")
 

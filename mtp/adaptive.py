@@ -30,6 +30,22 @@ LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Forward cost over k new tokens relative to k = 1 (a CPU fp32 curve, conservative for bf16/GPU); the
 # online timings replace it as soon as a size has been used.
 PRIOR_COST = {1: 1.0, 2: 1.3, 3: 1.4, 4: 1.5, 6: 1.5, 8: 1.5, 12: 1.55, 16: 1.6, 24: 1.9, 32: 2.1, 48: 2.8, 64: 3.4}
+# bf16/fp16 on a CPU with bf16 matrix units: a 16-token forward costs about one decode step (measured with
+# bench/verify_cost.py on SmolLM2: 0.8-1.0 for k = 2..16, 1.2 at 32).
+PRIOR_COST_HALF = {
+    1: 1.0,
+    2: 1.0,
+    3: 1.0,
+    4: 1.0,
+    6: 1.0,
+    8: 1.0,
+    12: 1.05,
+    16: 1.1,
+    24: 1.2,
+    32: 1.3,
+    48: 1.6,
+    64: 1.9,
+}
 
 
 class AdaptiveDraft:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adaptive import AdaptiveDraft
+from .adaptive import PRIOR_COST, PRIOR_COST_HALF, AdaptiveDraft
 from .arch import BaseInfo, describe
 from .checkpoint import (
     base_fingerprint,
@@ -277,8 +277,13 @@ class MTPModel(nn.Module):
         elif tree is None or tree == "auto":
             # The default: adaptive drafting up to the model's default tree size, seeded with its accuracies.
             # Sampling: no wall-clock input, so a seeded call is reproducible (see AdaptiveDraft).
+            half = next(self.base_model.parameters()).dtype in (torch.bfloat16, torch.float16)
             step_tree = AdaptiveDraft(
-                self.config.num_heads, len(self.default_tree), self.config.head_accuracies, timed=not do_sample
+                self.config.num_heads,
+                len(self.default_tree),
+                self.config.head_accuracies,
+                prior_cost=PRIOR_COST_HALF if half else PRIOR_COST,
+                timed=not do_sample,
             )
         else:
             step_tree = resolve_tree(tree, self.config.num_heads, self.default_tree)
