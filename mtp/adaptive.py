@@ -26,6 +26,14 @@ from collections.abc import Sequence
 
 from .tree import DEFAULT_ACCURACIES, Tree, build_tree
 
+# Drafting itself (running the heads, top-k, building the step's inputs), relative to one decode step; the
+# verify-cost curves below are forwards only. Without it, weak heads on hardware where verifying is free
+# would look worth running forever.
+DRAFT_OVERHEAD = 0.15
+# Accuracy counts fade by this factor per step (a memory of ~100 steps), so the policy follows the text
+# from chit-chat to code and back instead of averaging over the whole answer.
+FORGET = 0.99
+
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Forward cost over k new tokens relative to k = 1 (a CPU fp32 curve, conservative for bf16/GPU); the
 # online timings replace it as soon as a size has been used.
@@ -94,7 +102,7 @@ class AdaptiveDraft:
     def _prior(self, n: int) -> float:
         keys = sorted(self.prior_cost)
         k = min(keys, key=lambda x: (abs(x - n), x))
-        return self.prior_cost[k]
+        return self.prior_cost[k] + (DRAFT_OVERHEAD if n > 1 else 0.0)
 
     def _best(self) -> Tree:
         acc = self.accuracies()
@@ -107,10 +115,18 @@ class AdaptiveDraft:
         return best
 
     def tree(self) -> Tree:
-        """The tree for the next step (a small probe now and then while not drafting)."""
+        """The tree for the next step: the current choice, or now and then a probe.
+
+        While not drafting, a small tree now and then keeps the accuracy estimates alive. While drafting
+        (timed mode), a plain step now and then measures what no drafting costs here; with that anchor the
+        measured seconds of the trees compare against plain decoding itself, not only against each other.
+        """
         self.step += 1
-        if len(self.current) == 1 and self.step % self.probe_every == 0:
-            return build_tree(min(4, self.sizes[-1]), self.num_heads, self.accuracies())
+        if self.step % self.probe_every == 0:
+            if len(self.current) == 1:
+                return build_tree(min(4, self.sizes[-1]), self.num_heads, self.accuracies())
+            if self.timed:
+                return Tree([])
         return self.current
 
     def update(self, tree: Tree, accepted: list[int], seconds: float) -> None:
@@ -119,11 +135,14 @@ class AdaptiveDraft:
         if self.timed:
             self.seconds[n] = seconds if n not in self.seconds else 0.8 * self.seconds[n] + 0.2 * seconds
         on_path = set(accepted)
+        for row in (*self.hits, *self.trials):
+            for r in range(len(row)):
+                row[r] *= FORGET
         for parent in accepted:
             for child in tree.children[parent]:
                 d, r = tree.depths[child] - 1, tree.ranks[child]
                 if r < len(self.trials[d]):
                     self.trials[d][r] += 1
                     self.hits[d][r] += child in on_path
-        if self.step % self.every == 0:
+        if self.step % self.every == 0 or (n == 1 and len(self.current) > 1):
             self.current = self._best()

@@ -1,0 +1,61 @@
+"""AdaptiveDraft: big trees where heads are right, no drafting where they are not, reproducible sampling."""
+
+from __future__ import annotations
+
+import torch
+from conftest import VOCAB, random_heads, tiny_model
+
+from mtp.adaptive import PRIOR_COST_HALF, AdaptiveDraft
+from mtp.tree import Tree
+
+
+def _step(policy: AdaptiveDraft, hit: bool, seconds: float = 0.01) -> Tree:
+    """One simulated verify step: every node accepted (hit) or none (miss)."""
+    tree = policy.tree()
+    accepted = list(range(len(tree))) if hit and len(tree) > 1 else [0]
+    if hit and len(tree) > 1:  # the accepted path is the rank-0 chain
+        accepted = [0]
+        while True:
+            kids = [c for c in tree.children[accepted[-1]] if tree.ranks[c] == 0]
+            if not kids:
+                break
+            accepted.append(kids[0])
+    policy.update(tree, accepted, seconds)
+    return tree
+
+
+def test_accurate_heads_get_big_trees_and_missing_heads_stop_drafting():
+    policy = AdaptiveDraft(num_heads=4, max_nodes=32, prior_cost=PRIOR_COST_HALF, timed=False)
+    for _ in range(40):
+        _step(policy, hit=True)
+    assert policy.current.depth == 4 and len(policy.current) >= 5  # the full rank-0 chain at least
+    for _ in range(400):
+        _step(policy, hit=False)
+    assert len(policy.current) == 1  # plain decoding: drafts cost more than they bring
+    # ... but it keeps probing with a small tree, so it can recover when the text gets predictable
+    sizes = [len(policy.tree()) for _ in range(policy.probe_every)]
+    assert max(sizes) > 1 and sizes.count(1) == policy.probe_every - 1
+
+
+def test_costly_big_trees_are_avoided_when_timings_say_so():
+    """Timed mode: a size that measures slow loses to a smaller one with the same expected length."""
+    acc = [[0.6, 0.3, 0.2], [0.5, 0.3, 0.2]]
+    policy = AdaptiveDraft(num_heads=2, max_nodes=16, prior_accuracies=acc, prior_cost=PRIOR_COST_HALF, every=4)
+    assert len(policy.current) > 3
+    for _ in range(3 * policy.probe_every):  # plain steps (probes) take 0.01 s, every tree 1 s
+        tree = policy.tree()
+        policy.update(tree, [0], 1.0 if len(tree) > 1 else 0.01)
+    assert len(policy.current) == 1
+
+
+def test_seeded_sampling_with_the_adaptive_tree_is_reproducible():
+    base = tiny_model("llama", seed=3)
+    model = random_heads(base, seed=3, scale=0.3)
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    outs = [
+        model.generate(
+            ids, max_new_tokens=30, do_sample=True, temperature=0.9, generator=torch.Generator().manual_seed(7)
+        )
+        for _ in range(3)
+    ]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
