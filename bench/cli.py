@@ -37,6 +37,9 @@ def bench(
     out: Path = typer.Option(Path("bench/results"), help="Where results.json/.md/.png go."),
     verify_cost: bool = typer.Option(True, help="Also measure the verify-cost curve per dtype."),
     threads: int = typer.Option(0, help="torch threads (0: torch default)."),
+    sampling_temperature: float = typer.Option(
+        0.0, help="> 0: also time sampled decoding at this temperature (plain vs ours, lossless; τ, tokens/s)."
+    ),
 ) -> None:
     """Batch 1, greedy, MT-Bench first turns: plain vs prompt lookup vs assisted vs ours (chain, tree, auto)."""
     import torch
@@ -58,7 +61,7 @@ def bench(
     if "plain" not in wanted:
         wanted.insert(0, "plain")
     questions = load_mtbench(limit=limit)
-    rows, stats_by_dtype, costs = [], {}, {}
+    rows, stats_by_dtype, costs, sampling = [], {}, {}, {}
     t_start = time.perf_counter()
     for dt in [d.strip() for d in dtypes.split(",") if d.strip()]:
         torch_dtype = getattr(torch, dt)
@@ -100,6 +103,9 @@ def bench(
         stats = run_prompts(table, prompts, max_new_tokens, dt, progress)
         stats_by_dtype[dt] = stats
         rows.extend(summary_rows(stats))
+        if sampling_temperature > 0:
+            sampling[dt] = _sampling_run(mtp_model, prompts, max_new_tokens, sampling_temperature)
+            typer.echo(f"[{dt}] sampling at T={sampling_temperature}: {sampling[dt]}")
         if verify_cost:
             costs[dt] = {k: round(v, 3) for k, v in relative(verify_cost_curve(mtp_model.base_model)).items()}
             typer.echo(f"[{dt}] verify cost (relative to k=1): {costs[dt]}")
@@ -112,12 +118,47 @@ def bench(
         "tree": tree,
         "assistant": f"layer-skip: first {assistant_layers} layers of the base (untrained)",
         "verify_cost": costs,
+        "sampling": sampling,
         "wall_seconds": round(time.perf_counter() - t_start, 1),
     }
     write_outputs(out, rows, stats_by_dtype, meta)
     typer.echo(markdown_table(rows))
     typer.echo(json.dumps(meta, indent=2))
     typer.echo(f"wrote {out}/results.json, results.md, results.png")
+
+
+def _sampling_run(mtp_model, prompts, max_new: int, temperature: float) -> dict:
+    """Sampled decoding, plain generate() vs ours, same prompts and seeds (outputs differ: only the
+    distribution is the same, which tests/test_sampling.py proves)."""
+    import torch
+
+    totals = {"plain": [0.0, 0], "ours": [0.0, 0]}
+    steps = accepted = 0
+    for i, (_, _, ids) in enumerate(prompts):
+        t0 = time.perf_counter()
+        torch.manual_seed(i)
+        seq = mtp_model.base_model.generate(ids, max_new_tokens=max_new, do_sample=True, temperature=temperature)
+        totals["plain"][0] += time.perf_counter() - t0
+        totals["plain"][1] += seq.shape[1] - ids.shape[1]
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(i)
+        out = mtp_model.generate(
+            ids, max_new_tokens=max_new, do_sample=True, temperature=temperature, generator=g,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        totals["ours"][0] += time.perf_counter() - t0
+        totals["ours"][1] += out.num_new_tokens
+        steps += len(out.accepted_lengths)
+        accepted += sum(out.accepted_lengths)
+    plain_tps = totals["plain"][1] / totals["plain"][0]
+    ours_tps = totals["ours"][1] / totals["ours"][0]
+    return {
+        "temperature": temperature,
+        "plain_tokens_per_s": round(plain_tps, 2),
+        "ours_tokens_per_s": round(ours_tps, 2),
+        "speedup": round(ours_tps / plain_tps, 3),
+        "tau": round(accepted / steps, 3) if steps else None,
+    }
 
 
 def _load(model: str, heads: str, torch_dtype):
