@@ -69,8 +69,11 @@ def quickstart(
 
     model.generate(ids[:, :8], max_new_tokens=4)  # warm-up: first-call allocations are not the method's cost
     t0 = time.perf_counter()
-    plain = model.base_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    ref = model.base_model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     t_plain = time.perf_counter() - t0
+    plain = ref.sequences
     n_plain = plain.shape[1] - ids.shape[1]
     typer.secho("plain generate():", bold=True)
     typer.echo(tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True))
@@ -94,7 +97,26 @@ def quickstart(
     )
     typer.echo(f"speedup: {t_plain / t_spec:.2f}x   identical to plain generate(): {same}")
     if not same:
+        _explain_difference(plain, out.sequences, ids.shape[1], ref.logits, dtype)
+
+
+# Half-precision logits are rounded to ~3 significant digits: a top-2 gap this small is a coin flip between
+# a batched verify pass and one-token decoding (measured: 0 to 0.25 on SmolLM2 in bf16).
+NEAR_TIE = 0.5
+
+
+def _explain_difference(plain, spec, prompt_len: int, logits, dtype: str) -> None:
+    """fp32 must be identical (exit 1 otherwise). bf16 may differ only where the reference itself nearly
+    tied: say where, with the margin, and exit 1 if it was not a near-tie."""
+    a, b = plain[0, prompt_len:].tolist(), spec[0, prompt_len:].tolist()
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    top = logits[i][0].float().topk(2).values if i < len(logits) else None
+    margin = float(top[0] - top[1]) if top is not None else float("nan")
+    typer.echo(f"first difference at new token {i}: the reference's top-2 logit margin there is {margin:.3f}")
+    if dtype == "float32" or not margin <= NEAR_TIE:
         raise typer.Exit(code=1)
+    typer.echo(f"a {dtype} near-tie (margin <= {NEAR_TIE}): batched verification rounds differently from one-token "
+               "decoding there; run with --dtype float32 for bit-exact output")  # fmt: skip
 
 
 def train_quick_heads(minutes: float, dtype: str = "float32") -> Path:
