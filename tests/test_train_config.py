@@ -28,6 +28,13 @@ def test_shipped_configs_validate(name):
     assert cfg.optim.lr == pytest.approx(1e-3)
 
 
+def test_shipped_heads_config_validates():
+    """The recipe of the shipped heads (configs/smollm2-mtp.yaml) stays loadable as the schema evolves."""
+    cfg = load_config(REPO / "configs" / "smollm2-mtp.yaml")
+    assert (cfg.heads.head_type, cfg.heads.num_heads, cfg.loss.soft_targets) == ("mtp", 3, True)
+    assert cfg.data.eval_path and "sharegpt" in cfg.data.path
+
+
 @pytest.mark.parametrize("name", ["ds_zero2.json", "ds_zero3.json"])
 def test_shipped_deepspeed_configs_are_used_by_the_deepspeed_key(name, tmp_path):
     cfg = load_config(None, ["data.path=x.txt", f"deepspeed={REPO / 'configs' / name}"])
