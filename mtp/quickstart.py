@@ -56,7 +56,7 @@ def quickstart(
     if train_minutes > 0:
         if heads:
             raise typer.BadParameter("--heads and --train-minutes exclude each other")
-        heads_dir = str(train_quick_heads(train_minutes, dtype))
+        heads_dir = str(train_quick_heads(train_minutes))
     t0 = time.perf_counter()
     model, tokenizer, trained = load_default_mtp(getattr(torch, dtype), heads_dir)
     typer.echo(f"loaded SmolLM2-135M-Instruct ({dtype}) in {time.perf_counter() - t0:.1f}s")
@@ -108,10 +108,10 @@ NEAR_TIE = 0.5
 def _explain_difference(plain, spec, prompt_len: int, logits, dtype: str) -> None:
     """fp32 must be identical (exit 1 otherwise). bf16 may differ only where the reference itself nearly
     tied: say where, with the margin, and exit 1 if it was not a near-tie."""
-    a, b = plain[0, prompt_len:].tolist(), spec[0, prompt_len:].tolist()
-    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    top = logits[i][0].float().topk(2).values if i < len(logits) else None
-    margin = float(top[0] - top[1]) if top is not None else float("nan")
+    from .bench.run import first_difference, top2_margin  # the benchmark's own identity check
+
+    i = first_difference(plain, spec, prompt_len)
+    margin = top2_margin(logits[i][0]) if i < len(logits) else float("nan")
     typer.echo(f"first difference at new token {i}: the reference's top-2 logit margin there is {margin:.3f}")
     if dtype == "float32" or not margin <= NEAR_TIE:
         raise typer.Exit(code=1)
@@ -119,7 +119,7 @@ def _explain_difference(plain, spec, prompt_len: int, logits, dtype: str) -> Non
                "decoding there; run with --dtype float32 for bit-exact output")  # fmt: skip
 
 
-def train_quick_heads(minutes: float, dtype: str = "float32") -> Path:
+def train_quick_heads(minutes: float) -> Path:
     """Train 3 MTP modules on the default model for `minutes`, the same way the shipped heads were made
     (`configs/smollm2-mtp.yaml`) but on ShareGPT alone with soft targets (the model's own next-token
     distribution), so no distillation pass is needed first. Cached per duration."""

@@ -236,7 +236,8 @@ def tokenize_documents(ds: Any, tokenizer: Any, data: DataSection) -> Any:
             # a column may be None in rows from another source (distilled ids + ShareGPT chats in one run)
             if batch.get("input_ids") is not None and batch["input_ids"][i] is not None:
                 ids = list(batch["input_ids"][i])
-                start = (batch.get("prompt_len") or [0] * n)[i] or 0 if assistant_only else 0
+                prompt_len = batch["prompt_len"][i] if batch.get("prompt_len") is not None else None
+                start = (prompt_len or 0) if assistant_only else 0
                 mask = [0] * start + [1] * (len(ids) - start)
             elif batch.get("messages") is not None and batch["messages"][i] is not None:
                 ids, mask = render_chat(tokenizer, batch["messages"][i], assistant_only)
