@@ -33,7 +33,10 @@ def bench(
     extra_heads: str = typer.Option(
         "", help="More heads on the same base, 'name=dir,...': each adds '<name>-chain' and '<name>-tree'."
     ),
-    assistant_layers: int = typer.Option(6, help="Layers of the layer-skip assistant for 'assisted'."),
+    assistant: str = typer.Option(
+        "", help="Draft model dir for 'assisted' (from `mtp export --assistant`); empty: an untrained layer-skip one."
+    ),
+    assistant_layers: int = typer.Option(6, help="Layers of the untrained layer-skip assistant."),
     out: Path = typer.Option(Path("bench/results"), help="Where results.json/.md/.png go."),
     verify_cost: bool = typer.Option(True, help="Also measure the verify-cost curve per dtype."),
     threads: int = typer.Option(0, help="torch threads (0: torch default)."),
@@ -47,7 +50,7 @@ def bench(
     from mtp import MTPModel
     from mtp.cli import _parse_tree
 
-    from .methods import assisted, ours, plain, prompt_lookup, truncated_assistant
+    from .methods import assisted, ours, plain, prompt_lookup
     from .mtbench import load_mtbench
     from .run import markdown_table, run_prompts, summary_rows, write_outputs
     from .verify_cost import relative, verify_cost_curve
@@ -80,7 +83,7 @@ def bench(
             if name == "prompt_lookup":
                 table[name] = prompt_lookup(mtp_model)
             elif name == "assisted":
-                table[name] = assisted(mtp_model, truncated_assistant(mtp_model.base_model, assistant_layers))
+                table[name] = assisted(mtp_model, _assistant(mtp_model, assistant, assistant_layers, torch_dtype))
             elif name == "chain":
                 table[name] = ours(mtp_model, "chain")
             elif name == "tree":
@@ -116,7 +119,7 @@ def bench(
         "limit": limit,
         "max_new_tokens": max_new_tokens,
         "tree": tree,
-        "assistant": f"layer-skip: first {assistant_layers} layers of the base (untrained)",
+        "assistant": _assistant_label(assistant, assistant_layers),
         "verify_cost": costs,
         "sampling": sampling,
         "wall_seconds": round(time.perf_counter() - t_start, 1),
@@ -159,6 +162,29 @@ def _sampling_run(mtp_model, prompts, max_new: int, temperature: float) -> dict:
         "speedup": round(ours_tps / plain_tps, 3),
         "tau": round(accepted / steps, 3) if steps else None,
     }
+
+
+def _assistant(mtp_model, directory: str, layers: int, torch_dtype):
+    from transformers import AutoModelForCausalLM
+
+    from .methods import truncated_assistant
+
+    if not directory:
+        return truncated_assistant(mtp_model.base_model, layers)
+    if not (Path(directory) / "config.json").is_file():
+        raise typer.BadParameter(f"--assistant {directory}: no Hugging Face checkpoint (config.json) there")
+    draft = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).eval()
+    if draft.get_output_embeddings().weight.shape[0] != mtp_model.info.vocab_size:
+        raise typer.BadParameter(f"--assistant {directory}: its vocabulary differs from the model's")
+    return draft
+
+
+def _assistant_label(directory: str, layers: int) -> str:
+    if not directory:
+        return f"layer-skip: first {layers} layers of the base (untrained)"
+    config = json.loads((Path(directory) / "config.json").read_text())
+    picks = config.get("mtp_draft_layers")
+    return f"distilled draft model {directory}: {config.get('num_hidden_layers')} layers (from base layers {picks})"
 
 
 def _load(model: str, heads: str, torch_dtype):

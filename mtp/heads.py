@@ -134,4 +134,5 @@ class MedusaHeads(nn.Module):
         return torch.stack([self.lm_heads[i](feats[i]) for i in range(feats.shape[0])])
 
 
+from . import draft_model as _draft_model  # noqa: E402,F401  (registers head type "draft_lm")
 from . import mtp_modules as _mtp_modules  # noqa: E402,F401  (registers head type "mtp")

@@ -88,6 +88,9 @@ def export_command(
     dtype: str = typer.Option("float32", help="dtype of the written base weights."),
     draft_vocab: int = typer.Option(0, help="Draft only from the N most frequent tokens of --draft-data (0: all)."),
     draft_data: Path = typer.Option(None, help="mtp distill output whose answers --draft-vocab counts."),
+    assistant: bool = typer.Option(
+        False, "--assistant", help="The run trained a draft model (head_type draft_lm): write a plain HF checkpoint."
+    ),
 ) -> None:
     """Write a servable MTP checkpoint (MTPModel.from_pretrained) from a training run."""
     from .export import export
@@ -95,7 +98,7 @@ def export_command(
     try:
         path = export(
             source, out, merge_lora=merge_lora, heads_only=heads_only, dtype=dtype,
-            draft_vocab=draft_vocab, draft_data=draft_data,
+            draft_vocab=draft_vocab, draft_data=draft_data, assistant=assistant,
         )  # fmt: skip
     except USER_ERRORS as e:
         raise typer.Exit(code=_error(str(e))) from e

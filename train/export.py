@@ -26,9 +26,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_only: bool = False,
-           dtype: str = "float32", draft_vocab: int = 0, draft_data: str | Path | None = None) -> Path:  # fmt: skip
+           dtype: str = "float32", draft_vocab: int = 0, draft_data: str | Path | None = None,
+           assistant: bool = False) -> Path:  # fmt: skip
     """`draft_vocab` > 0: the heads draft only from the that many most frequent tokens of `draft_data`
-    (a `mtp distill` output or any `save_to_disk` dataset with `input_ids`; see mtp.draft_vocab)."""
+    (a `mtp distill` output or any `save_to_disk` dataset with `input_ids`; see mtp.draft_vocab).
+    `assistant`: the run trained a `draft_lm`; write it as a plain HF checkpoint for assisted generation."""
     source, out = Path(source), Path(out)
     if draft_vocab and draft_data is None:
         raise ValueError("--draft-vocab needs --draft-data: the token ids to count (e.g. the mtp distill output)")
@@ -47,6 +49,8 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_
     if merge_lora and not has_adapter:
         raise ValueError(f"--merge-lora given but {source} has no {ADAPTER_DIR}/ (a Medusa-1 run?)")
     model, tokenizer = _load(source, has_adapter, DTYPES[dtype])
+    if assistant or model.config.head_type == "draft_lm":
+        return _export_assistant(model, tokenizer, out, assistant)
     model.tokenizer = tokenizer
     accuracies = load_eval(source / "eval_accuracy.json")
     if accuracies is not None:
@@ -56,6 +60,23 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_
     if draft_vocab:
         model.set_draft_vocab(_draft_vocab(Path(draft_data), draft_vocab, model, tokenizer))
     return model.save_pretrained(out, heads_only=heads_only)
+
+
+def _export_assistant(model: MTPModel, tokenizer: Any, out: Path, asked: bool) -> Path:
+    """A trained draft_lm -> an ordinary `*ForCausalLM` checkpoint with the base's embeddings and tokenizer."""
+    if model.config.head_type != "draft_lm":
+        raise ValueError(f"--assistant exports a draft model (heads.head_type: draft_lm); this run trained "
+                         f"{model.config.head_type!r} heads")  # fmt: skip
+    if not asked:
+        raise ValueError("this run trained a draft model (head_type draft_lm): export it with --assistant")
+    lm = model.heads.to_causal_lm(model.base_model)
+    lm.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    n = sum(p.numel() for p in lm.parameters())
+    print(f"draft model: {lm.config.num_hidden_layers} layers (from base layers {lm.config.mtp_draft_layers}), "
+          f"{n / 1e6:.1f}M parameters; load it with AutoModelForCausalLM.from_pretrained('{out}') and pass it "
+          "to generate(assistant_model=...) or `mtp bench --assistant`")  # fmt: skip
+    return out
 
 
 def _draft_vocab(data: Path, size: int, model: MTPModel, tokenizer: Any) -> torch.Tensor:
