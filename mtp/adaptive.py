@@ -141,7 +141,7 @@ class AdaptiveDraft:
         for parent in accepted:
             for child in tree.children[parent]:
                 d, r = tree.depths[child] - 1, tree.ranks[child]
-                if r < len(self.trials[d]):
+                if d < len(self.trials) and r < len(self.trials[d]):  # prompt-lookup nodes are not heads
                     self.trials[d][r] += 1
                     self.hits[d][r] += child in on_path
         if self.step % self.every == 0 or (n == 1 and len(self.current) > 1):

@@ -26,6 +26,7 @@ from torch import nn
 from .adaptive import AdaptiveDraft
 from .arch import BaseInfo
 from .kv_cache import keep_accepted, new_cache
+from .ngram import NgramDraft
 from .proposer import Proposer
 from .sampling import SamplingParams, sample, verify_sampled, verify_typical
 from .tree import Tree
@@ -248,8 +249,11 @@ def speculative_generate(
     eos: set[int],
     streamer=None,
     strategy: GreedyStrategy | SamplingStrategy | None = None,
+    prompt_lookup: bool = False,
 ) -> GenerateOutput:
-    """Self-speculative decoding of one sequence (see the module docstring for the steps)."""
+    """Self-speculative decoding of one sequence (see the module docstring for the steps).
+
+    prompt_lookup: graft prompt-lookup drafts onto each step's tree (greedy only, see mtp.ngram)."""
     strategy = strategy or GreedyStrategy()
     prompt = input_ids[0]
     if max_new_tokens <= 0:
@@ -267,6 +271,9 @@ def speculative_generate(
         streamer.put(torch.tensor([token]))
     lengths: list[int] = []
     drafted: list[int] = []
+    ngram = None
+    if prompt_lookup and isinstance(strategy, GreedyStrategy):
+        ngram = NgramDraft(prompt.tolist() + [token])
     done = token in eos or len(out_tokens) >= max_new_tokens
     while not done:
         prefix = scorer.length
@@ -280,6 +287,8 @@ def speculative_generate(
 
         # 1. propose  2. score
         draft, q = strategy.propose(proposer, token, step_tree)  # (N,), (D, V) | None
+        if ngram is not None and room > 0:
+            step_tree, draft = ngram.graft(step_tree, draft, room)
         logits, hidden = scorer.score(draft, step_tree)  # (N, V), (N, d)
 
         # 3. verify
@@ -306,6 +315,8 @@ def speculative_generate(
         drafted.append(len(step_tree) - 1)
         token = bonus
         if not done:
+            if ngram is not None:
+                ngram.observe(new)
             acc = torch.tensor(accepted, device=hidden.device)
             proposer.observe(hidden[acc], draft[acc])
     if streamer is not None:

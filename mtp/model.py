@@ -234,6 +234,7 @@ class MTPModel(nn.Module):
         acceptance: str = "lossless",
         typical_epsilon: float = 0.09,
         typical_delta: float = 0.3,
+        prompt_lookup: bool = True,
     ) -> torch.Tensor | GenerateOutput:
         """What `base_model.generate(...)` would return, produced several tokens per forward.
 
@@ -248,6 +249,8 @@ class MTPModel(nn.Module):
         fixed), "chain", an int (node budget for a built tree), a `Tree`, or a list of rank paths.
         `speculative=False` decodes one token per step with the same code path (the baseline the
         speedup is measured against, and a per-request off switch).
+        prompt_lookup (greedy): also draft by copying what followed the last occurrence of the current
+        n-gram in the prompt and output (mtp.ngram), verified in the same forward as the heads' tree.
         """
         input_ids = _check_input(input_ids, attention_mask)
         gen_config = self.base_model.generation_config
@@ -300,6 +303,7 @@ class MTPModel(nn.Module):
                 eos,
                 streamer,
                 strategy,
+                prompt_lookup=prompt_lookup and speculative,
             )
         finally:
             self.train(was_training)
