@@ -9,7 +9,9 @@ from pathlib import Path
 
 import typer
 
-ALL_METHODS = "plain,prompt_lookup,assisted,chain,tree,auto"
+# chain, tree: the heads' drafts alone; tree_lookup: + prompt-lookup drafts in the same tree; auto: what
+# `model.generate()` does by default (adaptive tree + lookup).
+ALL_METHODS = "plain,prompt_lookup,assisted,chain,tree,tree_lookup,auto"
 
 
 def _cpu_name() -> str:
@@ -31,7 +33,7 @@ def bench(
     methods: str = typer.Option(ALL_METHODS, help="Comma-separated subset of: " + ALL_METHODS),
     tree: str = typer.Option("default", help="Tree for the 'tree' method: default | <node count> | JSON paths."),
     extra_heads: str = typer.Option(
-        "", help="More heads on the same base, 'name=dir,...': each adds '<name>-chain' and '<name>-tree'."
+        "", help="More heads on the same base, 'name=dir,...': each adds '<name>-chain' and '<name>-tree' (heads only)."
     ),
     assistant: str = typer.Option(
         "", help="Draft model dir for 'assisted' (from `mtp export --assistant`); empty: an untrained layer-skip one."
@@ -39,6 +41,7 @@ def bench(
     assistant_layers: int = typer.Option(6, help="Layers of the untrained layer-skip assistant."),
     out: Path = typer.Option(Path("bench/results"), help="Where results.json/.md/.png go."),
     verify_cost: bool = typer.Option(True, help="Also measure the verify-cost curve per dtype."),
+    methods_fp32: str = typer.Option("", help="A different method list for float32 (default: --methods)."),
     threads: int = typer.Option(0, help="torch threads (0: torch default)."),
     sampling_temperature: float = typer.Option(
         0.0, help="> 0: also time sampled decoding at this temperature (plain vs ours, lossless; τ, tokens/s)."
@@ -57,17 +60,13 @@ def bench(
 
     if threads:
         torch.set_num_threads(threads)
-    wanted = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = set(wanted) - set(ALL_METHODS.split(","))
-    if unknown:
-        raise typer.BadParameter(f"unknown methods {sorted(unknown)}")
-    if "plain" not in wanted:
-        wanted.insert(0, "plain")
+    _methods(methods), _methods(methods_fp32 or methods)  # fail on a typo before loading anything
     questions = load_mtbench(limit=limit)
     rows, stats_by_dtype, costs, sampling = [], {}, {}, {}
     t_start = time.perf_counter()
     for dt in [d.strip() for d in dtypes.split(",") if d.strip()]:
         torch_dtype = getattr(torch, dt)
+        wanted = _methods(methods_fp32 if dt == "float32" and methods_fp32 else methods)
         mtp_model, tokenizer = _load(model, heads, torch_dtype)
         prompts = []
         for q in questions:
@@ -88,8 +87,10 @@ def bench(
                 table[name] = ours(mtp_model, "chain")
             elif name == "tree":
                 table[name] = ours(mtp_model, _parse_tree(tree))
+            elif name == "tree_lookup":
+                table[name] = ours(mtp_model, _parse_tree(tree), prompt_lookup=True)
             elif name == "auto":
-                table[name] = ours(mtp_model, None)
+                table[name] = ours(mtp_model, None, prompt_lookup=True)
         for spec in [x for x in extra_heads.split(",") if x.strip()]:
             label, _, directory = spec.partition("=")
             if not directory:
@@ -128,6 +129,14 @@ def bench(
     typer.echo(markdown_table(rows))
     typer.echo(json.dumps(meta, indent=2))
     typer.echo(f"wrote {out}/results.json, results.md, results.png")
+
+
+def _methods(spec: str) -> list[str]:
+    wanted = [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = set(wanted) - set(ALL_METHODS.split(","))
+    if unknown:
+        raise typer.BadParameter(f"unknown methods {sorted(unknown)}; known: {ALL_METHODS}")
+    return wanted if "plain" in wanted else ["plain", *wanted]
 
 
 def _sampling_run(mtp_model, prompts, max_new: int, temperature: float) -> dict:

@@ -53,9 +53,13 @@ def assisted(model: MTPModel, assistant: torch.nn.Module) -> Method:
     return run
 
 
-def ours(model: MTPModel, tree) -> Method:
+def ours(model: MTPModel, tree, prompt_lookup: bool = False) -> Method:
+    """`prompt_lookup=False`: the heads' drafts alone (what the heads are worth); True: heads + lookup."""
+
     def run(ids: torch.Tensor, max_new: int) -> MethodResult:
-        out = model.generate(ids, max_new_tokens=max_new, tree=tree, return_dict_in_generate=True)
+        out = model.generate(
+            ids, max_new_tokens=max_new, tree=tree, prompt_lookup=prompt_lookup, return_dict_in_generate=True
+        )
         return MethodResult(out.sequences, accepted_lengths=out.accepted_lengths)
 
     return run

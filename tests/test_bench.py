@@ -34,13 +34,14 @@ def test_identity_check_and_difference_report(fitted, tmp_path):
         "prompt_lookup": M.prompt_lookup(model, num_tokens=3),
         "chain": M.ours(model, "chain"),
         "tree": M.ours(model, None),
+        "auto_lookup": M.ours(model, None, prompt_lookup=True),
         "broken": _broken(model),
     }
     max_new = seqs[0].shape[1] - prompts[0].shape[1]
     batch = [(i, ["writing", "coding"][i % 2], p) for i, p in enumerate(prompts)]
     stats = run_prompts(methods, batch, max_new, "float32")
     n = len(prompts)
-    for name in ("plain", "prompt_lookup", "chain", "tree"):
+    for name in ("plain", "prompt_lookup", "chain", "tree", "auto_lookup"):
         assert stats[name].identical == n and not stats[name].differences, name
     assert stats["tree"].tau > 2.0  # fitted heads: the comparison exercises real acceptance
     broken = stats["broken"]
@@ -65,3 +66,15 @@ def test_first_difference_and_margin():
     assert first_difference(ref, torch.tensor([[1, 2, 3, 9, 5]]), 2) == 1
     assert first_difference(ref, torch.tensor([[1, 2, 3, 4]]), 2) == 2  # shorter: differs where it ends
     assert top2_margin(torch.tensor([0.5, 2.0, 1.25])) == pytest.approx(0.75)
+
+
+def test_assistant_option_names_a_bad_directory(tmp_path):
+    import typer
+
+    from mtp.bench.cli import _assistant, _methods
+
+    with pytest.raises(typer.BadParameter, match="config.json"):
+        _assistant(None, str(tmp_path), 6, None)
+    with pytest.raises(typer.BadParameter, match="unknown methods"):
+        _methods("plain,tree,fastest")
+    assert _methods("tree") == ["plain", "tree"]
