@@ -26,7 +26,7 @@ from torch import nn
 from .adaptive import AdaptiveDraft
 from .arch import BaseInfo
 from .kv_cache import keep_accepted, new_cache
-from .ngram import NgramDraft
+from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft
 from .proposer import Proposer
 from .sampling import SamplingParams, sample, verify_sampled, verify_typical
 from .tree import Tree
@@ -273,7 +273,8 @@ def speculative_generate(
     drafted: list[int] = []
     ngram = None
     if prompt_lookup and isinstance(strategy, GreedyStrategy):
-        ngram = NgramDraft(prompt.tolist() + [token])
+        half = scorer.dtype in (torch.bfloat16, torch.float16)
+        ngram = NgramDraft(prompt.tolist() + [token], node_cost=NODE_COST_HALF if half else NODE_COST_FULL)
     done = token in eos or len(out_tokens) >= max_new_tokens
     while not done:
         prefix = scorer.length

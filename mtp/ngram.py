@@ -13,19 +13,21 @@ as a chain. Greedy verification walks the combined tree as usual: siblings still
 so at most one child matches the model's argmax, and the output stays exactly `generate()`'s.
 Greedy only: a deterministic draft inside a sampled tree would need its own rejection rule.
 
-The chain length follows how much of it was accepted lately (an exponential average), between `min_len`
-and `max_len`: long when the text is copying, a couple of cheap nodes when it is not.
+The chain length follows how often the lookup was right lately and what a tree node costs (`NgramDraft`):
+long while the text copies itself, nothing when it does not, back when it starts copying again.
 """
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch
 
 from .tree import Tree
 
+# What one more verified tree node costs, in decode steps (bench/verify_cost.py, SmolLM2 on a 2-core CPU:
+# in fp32 a 4-token forward costs 1.64 steps, ~0.2 per extra node; in bf16 a 16-token one costs 1.27).
+NODE_COST_FULL, NODE_COST_HALF = 0.2, 0.02
 # The rank recorded for lookup nodes: no head draws it, so head statistics (adaptive policy) skip them.
 NGRAM_RANK = 1_000
 
@@ -61,31 +63,55 @@ class NgramIndex:
 
 
 class NgramDraft:
-    """Per-generation state: the index and the adaptive chain length."""
+    """Per-generation state: the index, and how far the lookup has been right lately.
 
-    def __init__(self, context: list[int], max_len: int = 10, min_len: int = 2, max_n: int = 3, min_n: int = 2):
+    Every step the lookup's continuation is compared with what the model then emitted (whether or not it
+    was grafted: the emitted tokens are the model's own choices either way), which estimates a, the chance
+    that the next lookup token is right given the ones before it were. The j-th chain token pays when
+    a**j, the chance it gets accepted, exceeds what one more tree node costs (`node_cost`, in decode
+    steps: ~0.2 in fp32 on a CPU, ~0.02 in bf16 with matrix units): so the chain is long while the text
+    copies itself and disappears when it does not, and comes back when the shadow comparisons say so.
+    """
+
+    def __init__(
+        self, context: list[int], max_len: int = 10, node_cost: float = 0.02, max_n: int = 3, min_n: int = 2,
+        forget: float = 0.95,
+    ):  # fmt: skip
         self.index = NgramIndex(context, max_n=max_n, min_n=min_n)
-        self.max_len, self.min_len = max_len, min_len
-        self.recent = float(min_len)  # exponential average of chain tokens accepted per lookup hit
-        self.chain: list[int] = []
-        self.hits = self.accepted = 0  # lookups that found a continuation; chain tokens accepted in all
+        self.max_len, self.node_cost, self.forget = max_len, node_cost, forget
+        self.right, self.wrong = 1.0, 1.0  # decayed counts of lookup tokens confirmed / refuted (prior a = 0.5)
+        self.chain: list[int] = []  # this step's lookup continuation (grafted or not)
+        self.grafted = 0  # how many of its tokens went into the tree
+        self.hits = self.accepted = 0  # steps that grafted a chain; chain tokens the model confirmed
+
+    @property
+    def accuracy(self) -> float:
+        return self.right / (self.right + self.wrong)
+
+    def length(self) -> int:
+        """Chain tokens worth verifying: those whose acceptance chance a**j beats a node's cost."""
+        a, n = self.accuracy, 0
+        while n < self.max_len and a ** (n + 1) > self.node_cost:
+            n += 1
+        return n
 
     def graft(self, tree: Tree, draft: torch.Tensor, room: int) -> tuple[Tree, torch.Tensor]:
-        """The step's tree and drafts with the lookup chain added (unchanged when the lookup finds nothing).
+        """The step's tree and drafts with the lookup chain added (unchanged when there is nothing to add).
 
         `room`: the deepest node allowed (max_new_tokens / position limits)."""
-        length = min(self.max_len, max(self.min_len, math.ceil(self.recent) + 2), room)
-        self.chain = self.index.lookup(length) if length > 0 else []
-        if not self.chain:
+        self.chain, self.grafted = self.index.lookup(self.max_len), 0
+        chain = self.chain[: min(self.length(), room)]
+        if not chain:
             return tree, draft
         node, i = 0, 0
         tokens = draft.tolist()
-        while i < len(self.chain):
-            nxt = next((c for c in tree.children[node] if tokens[c] == self.chain[i]), None)
+        while i < len(chain):
+            nxt = next((c for c in tree.children[node] if tokens[c] == chain[i]), None)
             if nxt is None:
                 break
             node, i = nxt, i + 1
-        rest = self.chain[i : i + max(0, room - tree.depths[node])]
+        rest = chain[i : i + max(0, room - tree.depths[node])]
+        self.grafted = i + len(rest)
         if not rest:
             return tree, draft
         combined, old_pos, new_pos = _grafted(tree, node, len(rest))
@@ -95,14 +121,17 @@ class NgramDraft:
         return combined, out
 
     def observe(self, emitted: list[int]) -> None:
-        """After a step: the tokens it emitted (accepted drafts + bonus)."""
+        """After a step: the tokens it emitted (accepted drafts + bonus), all of them the model's own."""
         if self.chain:
+            comparable = min(len(self.chain), len(emitted))
             n = 0
-            while n < min(len(self.chain), len(emitted) - 1) and self.chain[n] == emitted[n]:
+            while n < comparable and self.chain[n] == emitted[n]:
                 n += 1
-            self.hits += 1
-            self.accepted += n
-            self.recent = 0.7 * self.recent + 0.3 * n
+            self.right = self.forget * self.right + n
+            self.wrong = self.forget * self.wrong + (n < comparable)
+            if self.grafted:
+                self.hits += 1
+                self.accepted += min(n, self.grafted)
         self.index.extend(emitted)
 
 

@@ -26,7 +26,7 @@ def test_index_takes_the_longest_then_latest_match():
 def test_graft_shares_the_agreeing_prefix_and_hangs_the_rest_below():
     tree = chain(2)  # root -> (0,) -> (0, 0)
     draft = torch.tensor([5, 7, 8])
-    ng = NgramDraft([1, 5, 7, 9, 10, 11, 1, 5], max_len=4, min_len=4)  # (1, 5) was followed by 7 9 10 11
+    ng = NgramDraft([1, 5, 7, 9, 10, 11, 1, 5], max_len=4, node_cost=0.0)  # (1, 5) was followed by 7 9 10 11
     combined, tokens = ng.graft(tree, draft, room=10)
     assert ng.chain == [7, 9, 10, 11]
     assert len(combined) == 3 + 3  # 7 coincides with the head's draft: only 9, 10, 11 are new
@@ -43,11 +43,27 @@ def test_graft_shares_the_agreeing_prefix_and_hangs_the_rest_below():
     accepted, bonus = verify_greedy(combined, toks, target)
     assert [toks[i] for i in accepted[1:]] == [7, 9, 10, 11] and bonus == 42
     ng.observe([7, 9, 10, 11, 42])
-    assert ng.accepted == 4 and ng.recent > 4 * 0.3
+    assert ng.accepted == 4 and ng.accuracy > 0.5
     # room caps the depth of every grafted node; no continuation -> the tree is untouched
-    combined, _ = NgramDraft([1, 5, 7, 9, 10, 11, 1, 5], max_len=4, min_len=4).graft(tree, draft, room=2)
+    combined, _ = NgramDraft([1, 5, 7, 9, 10, 11, 1, 5], max_len=4, node_cost=0.0).graft(tree, draft, room=2)
     assert combined.depth == 2 and len(combined) == 4
     assert NgramDraft([1, 2, 3], max_len=4).graft(tree, draft, room=10)[0] is tree
+
+
+def test_chain_length_follows_the_lookup_accuracy_and_node_cost():
+    ng = NgramDraft([1, 2, 3, 1, 2], max_len=10, node_cost=0.2)  # (1, 2) was followed by 3
+    assert ng.length() == 2  # prior a = 0.5: 0.5 and 0.25 beat 0.2, 0.125 does not
+    tree, draft = chain(1), torch.tensor([0, 4])
+    for i in range(12):  # after (1, 2) the model says something new each time: the lookup is always wrong
+        ng.graft(tree, draft, room=10)
+        ng.observe([100 + i, 1, 2])
+    assert ng.accuracy < 0.2 and ng.length() == 0 and ng.graft(tree, draft, room=10)[0] is tree
+    for _ in range(12):  # now it repeats itself; not grafted, but still compared with what the model said
+        ng.graft(tree, draft, room=10)
+        ng.observe([3, 1, 2])
+    assert ng.accuracy > 0.6 and ng.length() >= 3
+    cheap = NgramDraft([1, 2, 3, 1, 2], max_len=10, node_cost=0.02)
+    assert cheap.length() == 5  # bf16-cheap nodes: 0.5**5 = 0.031 > 0.02
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -89,7 +105,7 @@ def test_sampling_ignores_lookup():
 def test_grafted_trees_are_valid_trees():
     tree = Tree([(0,), (1,), (0, 0)])
     draft = torch.tensor([3, 4, 5, 6])
-    combined, tokens = NgramDraft([9, 3, 1, 2, 9, 3], max_len=3, min_len=3).graft(tree, draft, room=5)
+    combined, tokens = NgramDraft([9, 3, 1, 2, 9, 3], max_len=3, node_cost=0.0).graft(tree, draft, room=5)
     assert len(combined) == len(tree) + 3 and tokens[0] == 3
     for node in range(1, len(combined)):  # siblings hold distinct tokens: verification stays unambiguous
         sibs = [int(tokens[c]) for c in combined.children[combined.parents[node]]]

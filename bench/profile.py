@@ -1,0 +1,126 @@
+"""Where a decode step's time goes: `python -m mtp.bench.profile [--dtype bfloat16] [--limit 2]`.
+
+Wraps the phases of `mtp.decoding.speculative_generate` with wall-clock timers (propose, the verify forward,
+verification, KV crop, prompt lookup, the proposer's bookkeeping, the adaptive policy) and reports
+milliseconds per step next to a plain decode step of the same model (one `generate()` token, and one bare
+forward with a KV cache). What is left after the timed phases is the loop's own Python. This is how
+the README's "why the target was missed" numbers were made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from mtp import adaptive, decoding, ngram, proposer
+
+
+@contextmanager
+def timed_phases(totals: dict[str, float]):
+    """Patch the phase functions so each call adds its wall time to totals[phase]; restore on exit."""
+    targets = [
+        (decoding.TreeScorer, "score", "verify forward"),
+        (decoding.TreeScorer, "keep", "KV crop"),
+        (decoding.GreedyStrategy, "propose", "propose (heads)"),
+        (decoding.GreedyStrategy, "verify", "verify (argmax walk)"),
+        (ngram.NgramDraft, "graft", "prompt lookup"),
+        (ngram.NgramDraft, "observe", "prompt lookup"),
+        (proposer.MTPProposer, "observe", "proposer observe"),
+        (proposer.MedusaProposer, "observe", "proposer observe"),
+        (adaptive.AdaptiveDraft, "update", "adaptive policy"),
+        (adaptive.AdaptiveDraft, "tree", "adaptive policy"),
+    ]
+    saved = []
+    for cls, name, phase in targets:
+        original = getattr(cls, name)
+        saved.append((cls, name, original))
+
+        def wrapper(*args, _f=original, _p=phase, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                totals[_p] += time.perf_counter() - t0
+
+        setattr(cls, name, wrapper)
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
+
+
+def bare_forward_ms(model: torch.nn.Module, ids: torch.Tensor, repeats: int = 20) -> float:
+    """One-token forward with a KV cache of the prompt: the floor any decode step pays."""
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(ids, past_key_values=cache, use_cache=True)
+        tok = ids[:, -1:]
+        t0 = time.perf_counter()
+        for i in range(repeats):
+            model(tok, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[ids.shape[1] + i]]))
+        return (time.perf_counter() - t0) / repeats * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--limit", type=int, default=2, help="MT-Bench questions")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--tree", default="default", help="'default', 'chain' or 'auto'")
+    args = parser.parse_args()
+
+    from mtp.default_model import load_default_mtp
+
+    from .mtbench import load_mtbench
+
+    model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), None)
+    tree = None if args.tree == "auto" else args.tree
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        for q in load_mtbench(limit=args.limit)
+    ]  # fmt: skip
+    model.generate(prompts[0][:, :8], max_new_tokens=4)  # warm-up
+    plain_s = plain_tokens = 0.0
+    for ids in prompts:
+        t0 = time.perf_counter()
+        seq = model.base_model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        plain_s += time.perf_counter() - t0
+        plain_tokens += seq.shape[1] - ids.shape[1]
+    bare = bare_forward_ms(model.base_model, prompts[0])
+    for lookup in (False, True):
+        totals: dict[str, float] = defaultdict(float)
+        steps = tokens = 0
+        wall = 0.0
+        with timed_phases(totals):
+            for ids in prompts:
+                t0 = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=args.max_new_tokens, tree=tree, prompt_lookup=lookup,
+                                     return_dict_in_generate=True)  # fmt: skip
+                wall += time.perf_counter() - t0
+                steps += len(out.accepted_lengths)
+                tokens += out.num_new_tokens
+        print(f"\n{args.dtype}, tree={args.tree}, prompt_lookup={lookup}: {steps} steps, {tokens} tokens, "
+              f"τ {(tokens - len(prompts)) / steps:.2f}, {tokens / wall:.1f} tok/s "
+              f"(plain generate() {plain_tokens / plain_s:.1f} tok/s)")  # fmt: skip
+        print(f"  {'phase':<24}{'ms/step':>9}{'share':>8}")
+        accounted = 0.0
+        for phase, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+            accounted += seconds
+            print(f"  {phase:<24}{seconds / steps * 1000:9.2f}{seconds / wall:8.1%}")
+        rest = wall - accounted  # prefill, the loop's own Python, emission, streaming checks
+        print(f"  {'rest (prefill, loop)':<24}{rest / steps * 1000:9.2f}{rest / wall:8.1%}")
+        print(f"  {'total':<24}{wall / steps * 1000:9.2f}")
+    print(f"\nplain generate(): {plain_s / plain_tokens * 1000:.2f} ms/token; bare 1-token forward with cache: "
+          f"{bare:.2f} ms (the rest of a generate() step is its own overhead)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
