@@ -150,8 +150,8 @@ class DraftLM(nn.Module):
         lm = type(base_model)(config)
         missing, unexpected = lm.base_model.load_state_dict(self.decoder.state_dict(), strict=False)
         embed = lm.base_model.get_input_embeddings()
-        if unexpected or any(not k.startswith(next(n for n, m in lm.base_model.named_modules() if m is embed))
-                             for k in missing):  # fmt: skip
+        embed_name = next(n for n, m in lm.base_model.named_modules() if m is embed)
+        if unexpected or any(not k.startswith(embed_name + ".") for k in missing):  # only the embeddings may miss
             raise ValueError(f"draft_lm -> causal LM: missing {missing}, unexpected {unexpected}")
         with torch.no_grad():
             embed.weight.copy_(base_model.get_input_embeddings().weight)
