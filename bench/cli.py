@@ -101,8 +101,9 @@ def bench(
         mtp_model.generate(prompts[0][2][:, :8], max_new_tokens=4)  # warm-up
         typer.echo(f"[{dt}] {len(prompts)} prompts x {list(table)}")
 
-        def progress(name, qid, seconds, dt=dt):
-            typer.echo(f"  [{dt}] q{qid} {name}: {seconds:.1f}s")
+        def progress(name, qid, seconds, diff, dt=dt):
+            same = "identical" if diff is None else f"differs from plain at new token {diff}"
+            typer.echo(f"  [{dt}] q{qid} {name}: {seconds:.1f}s, {same}")
 
         stats = run_prompts(table, prompts, max_new_tokens, dt, progress)
         stats_by_dtype[dt] = stats

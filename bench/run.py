@@ -137,7 +137,7 @@ def run_prompts(
                 st.differences.append(Difference(qid, diff, margin))
             st.observe(qid, category, seconds, result, result.sequences.shape[1] - ids.shape[1], diff is None)
             if progress is not None:
-                progress(name, qid, seconds)
+                progress(name, qid, seconds, diff)
     return stats
 
 
