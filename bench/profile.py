@@ -58,13 +58,16 @@ def bare_forward_ms(model: torch.nn.Module, ids: torch.Tensor, repeats: int = 20
     """One-token forward with a KV cache of the prompt: the floor any decode step pays."""
     from transformers import DynamicCache
 
+    from mtp.arch import describe
+
+    key = describe(model).cache_kwarg
     with torch.inference_mode():
         cache = DynamicCache()
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, use_cache=True, **{key: cache})
         tok = ids[:, -1:]
         t0 = time.perf_counter()
         for i in range(repeats):
-            model(tok, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[ids.shape[1] + i]]))
+            model(tok, use_cache=True, position_ids=torch.tensor([[ids.shape[1] + i]]), **{key: cache})
         return (time.perf_counter() - t0) / repeats * 1000
 
 
