@@ -11,9 +11,11 @@ from mtp.draft_vocab import DraftProjection, coverage, frequent_tokens
 
 
 def _run(model, prompts, seqs, tree):
+    """Heads' drafts only (prompt_lookup=False): the lookup copies context tokens, whatever the draft vocab."""
     lengths = []
     for ids, ref in zip(prompts, seqs, strict=True):
-        out = model.generate(ids, max_new_tokens=ref.shape[1] - ids.shape[1], tree=tree, return_dict_in_generate=True)
+        out = model.generate(ids, max_new_tokens=ref.shape[1] - ids.shape[1], tree=tree, prompt_lookup=False,
+                             return_dict_in_generate=True)  # fmt: skip
         assert torch.equal(out.sequences, ref)
         lengths.append(out.accepted_lengths)
     return lengths
