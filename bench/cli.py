@@ -54,7 +54,7 @@ def bench(
     from mtp.cli import _parse_tree
 
     from .methods import assisted, ours, plain, prompt_lookup
-    from .mtbench import load_mtbench
+    from .mtbench import first_turn_ids, load_mtbench
     from .run import markdown_table, run_prompts, summary_rows, write_outputs
     from .verify_cost import relative, verify_cost_curve
 
@@ -68,15 +68,7 @@ def bench(
         torch_dtype = getattr(torch, dt)
         wanted = _methods(methods_fp32 if dt == "float32" and methods_fp32 else methods)
         mtp_model, tokenizer = _load(model, heads, torch_dtype)
-        prompts = []
-        for q in questions:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": q.turns[0]}],
-                add_generation_prompt=True,
-                return_tensors="pt",
-                return_dict=True,
-            )["input_ids"]
-            prompts.append((q.question_id, q.category, ids))
+        prompts = [(q.question_id, q.category, first_turn_ids(tokenizer, q)) for q in questions]
         table = {"plain": plain(mtp_model)}
         for name in wanted:
             if name == "prompt_lookup":

@@ -103,3 +103,13 @@ def load_mtbench(limit: int | None = None, categories: Iterable[str] | None = No
             raise ValueError(f"limit must be >= 0, got {limit}")
         questions = _round_robin(questions, limit)
     return questions
+
+
+def first_turn_ids(tokenizer, question: MTBenchQuestion):
+    """The question's first turn as the model sees it: chat template + generation prompt, (1, T) ids."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question.turns[0]}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]

@@ -81,15 +81,11 @@ def main() -> None:
 
     from mtp.default_model import load_default_mtp
 
-    from .mtbench import load_mtbench
+    from .mtbench import first_turn_ids, load_mtbench
 
     model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), None)
     tree = None if args.tree == "auto" else args.tree
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        for q in load_mtbench(limit=args.limit)
-    ]  # fmt: skip
+    prompts = [first_turn_ids(tokenizer, q) for q in load_mtbench(limit=args.limit)]
     model.generate(prompts[0][:, :8], max_new_tokens=4)  # warm-up
     plain_s = plain_tokens = 0.0
     for ids in prompts:
