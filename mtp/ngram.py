@@ -110,8 +110,8 @@ class NgramDraft:
             if nxt is None:
                 break
             node, i = nxt, i + 1
-        rest = chain[i : i + max(0, room - tree.depths[node])]
-        self.grafted = i + len(rest)
+        rest = chain[i:]  # node is at depth i and the chain was cut to room: no node goes deeper than room
+        self.grafted = len(chain)
         if not rest:
             return tree, draft
         combined, old_pos, new_pos = _grafted(tree, node, len(rest))

@@ -49,8 +49,14 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_
     if merge_lora and not has_adapter:
         raise ValueError(f"--merge-lora given but {source} has no {ADAPTER_DIR}/ (a Medusa-1 run?)")
     model, tokenizer = _load(source, has_adapter, DTYPES[dtype])
-    if assistant or model.config.head_type == "draft_lm":
-        return _export_assistant(model, tokenizer, out, assistant)
+    is_draft = model.config.head_type == "draft_lm"
+    if assistant and not is_draft:
+        raise ValueError(f"--assistant exports a draft model (heads.head_type: draft_lm); this run trained "
+                         f"{model.config.head_type!r} heads")  # fmt: skip
+    if is_draft and not assistant:
+        raise ValueError("this run trained a draft model (head_type draft_lm): export it with --assistant")
+    if assistant:
+        return _export_assistant(model, tokenizer, out)
     model.tokenizer = tokenizer
     accuracies = load_eval(source / "eval_accuracy.json")
     if accuracies is not None:
@@ -62,13 +68,8 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_
     return model.save_pretrained(out, heads_only=heads_only)
 
 
-def _export_assistant(model: MTPModel, tokenizer: Any, out: Path, asked: bool) -> Path:
+def _export_assistant(model: MTPModel, tokenizer: Any, out: Path) -> Path:
     """A trained draft_lm -> an ordinary `*ForCausalLM` checkpoint with the base's embeddings and tokenizer."""
-    if model.config.head_type != "draft_lm":
-        raise ValueError(f"--assistant exports a draft model (heads.head_type: draft_lm); this run trained "
-                         f"{model.config.head_type!r} heads")  # fmt: skip
-    if not asked:
-        raise ValueError("this run trained a draft model (head_type draft_lm): export it with --assistant")
     lm = model.heads.to_causal_lm(model.base_model)
     lm.save_pretrained(out)
     tokenizer.save_pretrained(out)
