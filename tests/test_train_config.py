@@ -33,6 +33,10 @@ def test_shipped_heads_config_validates():
     cfg = load_config(REPO / "configs" / "smollm2-mtp.yaml")
     assert (cfg.heads.head_type, cfg.heads.num_heads, cfg.loss.soft_targets) == ("mtp", 3, True)
     assert cfg.data.eval_path and "sharegpt" in cfg.data.path
+    stage2 = load_config(REPO / "configs" / "smollm2-mtp-continue.yaml")
+    assert stage2.heads.init_from == cfg.train.output_dir  # stage 2 continues stage 1's run
+    assert (stage2.heads.head_type, stage2.heads.num_heads) == (cfg.heads.head_type, cfg.heads.num_heads)
+    assert stage2.data.eval_path == cfg.data.eval_path  # the same held-out answers, never trained on
 
 
 @pytest.mark.parametrize("name", ["ds_zero2.json", "ds_zero3.json"])

@@ -181,3 +181,32 @@ def test_time_boxed_run_finishes_with_servable_heads(tmp_path, tiny_ckpt):  # no
     assert (out / "eval_accuracy.json").is_file()
     model = MTPModel.from_pretrained(out)
     assert model.config.head_accuracies is not None
+
+
+def test_warm_start_continues_from_trained_heads(tmp_path, tiny_ckpt):  # noqa: F811
+    """heads.init_from: the second stage starts with the first stage's heads, not fresh ones."""
+    first = tmp_path / "stage1"
+    train(make_config(tiny_ckpt, first, "train.max_steps=40"))
+    second = tmp_path / "stage2"
+    train(make_config(tiny_ckpt, second, f"heads.init_from={first}", "train.max_steps=1", "optim.lr=1e-9"))
+    stage1 = json.loads((first / "eval_accuracy.json").read_text())["heads"]
+    start = json.loads((second / "eval_untrained.json").read_text())["heads"]
+    for a, b in zip(stage1, start, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)  # same heads, same held-out blocks
+    fresh = json.loads((first / "eval_untrained.json").read_text())["heads"]
+    assert start[0]["loss"] < fresh[0]["loss"] - 0.5
+
+
+def test_warm_start_refuses_other_layouts_and_bases(tmp_path, tiny_ckpt):  # noqa: F811
+    from mtp.train.config import ConfigError
+    from mtp.train.tiny import make_tiny_checkpoint
+
+    first = tmp_path / "stage1"
+    train(make_config(tiny_ckpt, first, "train.max_steps=2", "train.eval_at_start=false"))
+    with pytest.raises(ConfigError, match="heads.init_from.*do not match"):
+        train(make_config(tiny_ckpt, tmp_path / "four", f"heads.init_from={first}", "heads.num_heads=4"))
+    other = make_tiny_checkpoint(tmp_path / "other-llama", seed=1)
+    with pytest.raises(ConfigError, match="different base model"):
+        train(make_config(other, tmp_path / "other", f"heads.init_from={first}"))
+    with pytest.raises(ConfigError, match="no directory"):
+        train(make_config(tiny_ckpt, tmp_path / "none", f"heads.init_from={tmp_path / 'missing'}"))

@@ -38,6 +38,7 @@ class HeadsSection:
     num_layers: int = 1  # residual blocks per head
     own_lm_head: bool = False  # False: project through the base lm_head (small checkpoint, fast)
     extra: dict[str, Any] = field(default_factory=dict)  # further keyword arguments for the head class
+    init_from: str | None = None  # warm start: a run or export dir whose mtp_heads.safetensors fits this layout
 
 
 @dataclass

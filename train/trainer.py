@@ -85,6 +85,8 @@ def build_model(cfg: Config, base: nn.Module, base_path: Path) -> tuple[MTPModel
         base, num_heads=h.num_heads, head_type=h.head_type, num_layers=h.num_layers, own_lm_head=h.own_lm_head,
         **h.extra,
     )  # fmt: skip
+    if h.init_from:
+        _warm_start(mtp_model.heads, base, Path(h.init_from))
     mtp_model.heads.float()
     # "default" stays a sentinel (resolved at load time), so heads for the embedded model load on any machine
     mtp_model.config.base_model_name_or_path = "default" if cfg.model.path == "default" else str(base_path)
@@ -100,6 +102,26 @@ def build_model(cfg: Config, base: nn.Module, base_path: Path) -> tuple[MTPModel
         )  # fmt: skip
         peft_model = get_peft_model(base, lora)  # injects LoRA layers into `base` in place
     return mtp_model, peft_model
+
+
+def _warm_start(heads: nn.Module, base: nn.Module, source: Path) -> None:
+    """Continue from trained heads (a longer run on more data) instead of from the base's own weights.
+
+    The same checks as loading for inference: the layout must fit and, when the file records one, the base
+    fingerprint must match, since heads trained on another base would start from noise and hide it.
+    """
+    from mtp.checkpoint import base_probe, check_heads_state, load_heads_state, probes_match
+
+    if not source.is_dir():
+        raise ConfigError(f"config key 'heads.init_from': no directory {source}")
+    try:
+        state, probe, _ = load_heads_state(source)
+        check_heads_state(heads, state, source)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"config key 'heads.init_from': {e}") from e
+    if probe is not None and not probes_match(probe, base_probe(base)):
+        raise ConfigError(f"config key 'heads.init_from': the heads in {source} were trained on a different base model")
+    heads.load_state_dict({k: v.to(heads.state_dict()[k].dtype) for k, v in state.items()})
 
 
 # ---- optimisation -----------------------------------------------------------------------------------------
