@@ -8,7 +8,10 @@ process group is formed (see `distributed.py`) and, for DeepSpeed, in who owns t
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,6 +268,31 @@ def train_step(
     return StepResult(float(losses[0]), [float(x) for x in losses[2:]], float(losses[1]), grad_norm)
 
 
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None where there is none (macOS, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS after a step.
+
+    Each CPU step allocates and frees hundreds of MB in sizes that vary with the batch's loss mask;
+    glibc keeps the freed chunks, fragmented, and the process grew by ~100-250 MB per step on the
+    SmolLM2 recipe (24 GiB gone in about 100 steps) without holding any more live tensors.
+    Forcing those sizes through mmap (MALLOC_MMAP_THRESHOLD_) also stops it but costs ~20% speed.
+    """
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
@@ -321,6 +349,7 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
         lrs = set_lr(step_optimizer, cfg, state.step)
         t0 = time.perf_counter()
         result = train_step(module, optimizer, engine, data, plan, cfg, env, state.step, trainable)
+        release_freed_memory()
         state.elapsed_s += time.perf_counter() - t0
         state.step += 1
         state.tokens += step_tokens
