@@ -26,7 +26,7 @@ from torch import nn
 from .adaptive import AdaptiveDraft
 from .arch import BaseInfo
 from .kv_cache import keep_accepted, new_cache
-from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft
+from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows, lookup_nodes
 from .proposer import Proposer
 from .sampling import SamplingParams, sample, verify_sampled, verify_typical
 from .tree import Tree
@@ -81,7 +81,7 @@ class SamplingStrategy:
         p = self.params.probs(logits)  # (N, V)
         if self.acceptance == "typical":
             return verify_typical(tree, draft, p, self.generator, self.epsilon, self.delta)
-        return verify_sampled(tree, draft, p, q, self.generator)
+        return verify_sampled(tree, draft, p, q, self.generator, fixed=lookup_nodes(tree))
 
 
 @dataclass
@@ -253,7 +253,7 @@ def speculative_generate(
 ) -> GenerateOutput:
     """Self-speculative decoding of one sequence (see the module docstring for the steps).
 
-    prompt_lookup: graft prompt-lookup drafts onto each step's tree (greedy only, see mtp.ngram)."""
+    prompt_lookup: graft prompt-lookup drafts onto each step's tree (see mtp.ngram)."""
     strategy = strategy or GreedyStrategy()
     prompt = input_ids[0]
     if max_new_tokens <= 0:
@@ -272,7 +272,9 @@ def speculative_generate(
     lengths: list[int] = []
     drafted: list[int] = []
     ngram = None
-    if prompt_lookup and isinstance(strategy, GreedyStrategy):
+    # lossless sampling keeps the lookup as its own branch and verifies it as point-mass drafts
+    lossless = isinstance(strategy, SamplingStrategy) and strategy.acceptance == "lossless"
+    if prompt_lookup:
         half = scorer.dtype in (torch.bfloat16, torch.float16)
         ngram = NgramDraft(prompt.tolist() + [token], node_cost=NODE_COST_HALF if half else NODE_COST_FULL)
     done = token in eos or len(out_tokens) >= max_new_tokens
@@ -289,7 +291,10 @@ def speculative_generate(
         # 1. propose  2. score
         draft, q = strategy.propose(proposer, token, step_tree)  # (N,), (D, V) | None
         if ngram is not None and room > 0:
-            step_tree, draft = ngram.graft(step_tree, draft, room)
+            heads_tree = step_tree
+            step_tree, draft = ngram.graft(step_tree, draft, room, merge=not lossless)
+            if q is not None:
+                q = carry_rows(q, heads_tree, step_tree)
         logits, hidden = scorer.score(draft, step_tree)  # (N, V), (N, d)
 
         # 3. verify

@@ -249,8 +249,9 @@ class MTPModel(nn.Module):
         fixed), "chain", an int (node budget for a built tree), a `Tree`, or a list of rank paths.
         `speculative=False` decodes one token per step with the same code path (the baseline the
         speedup is measured against, and a per-request off switch).
-        prompt_lookup (greedy): also draft by copying what followed the last occurrence of the current
-        n-gram in the prompt and output (mtp.ngram), verified in the same forward as the heads' tree.
+        prompt_lookup: also draft by copying what followed the last occurrence of the current n-gram in
+        the prompt and output (mtp.ngram), verified in the same forward as the heads' tree (under sampling
+        as point-mass drafts, so the distribution stays exact).
         """
         input_ids = _check_input(input_ids, attention_mask)
         gen_config = self.base_model.generation_config

@@ -11,7 +11,9 @@ How: the lookup's continuation c_1..c_m is walked down the heads' tree from the 
 already holds the next token (those drafts coincide, nothing is added); the rest hangs below that node
 as a chain. Greedy verification walks the combined tree as usual: siblings still hold distinct tokens,
 so at most one child matches the model's argmax, and the output stays exactly `generate()`'s.
-Greedy only: a deterministic draft inside a sampled tree would need its own rejection rule.
+Sampling: the chain always hangs from the root as its own branch (`merge=False`; whether a sampled head
+draft happens to equal the lookup token must not decide where the lookup sits), and its nodes are verified
+as point-mass drafts (`mtp.sampling.verify_sampled`'s `fixed`), which keeps the output distribution exact.
 
 The chain length follows how often the lookup was right lately and what a tree node costs (`NgramDraft`):
 long while the text copies itself, nothing when it does not, back when it starts copying again.
@@ -95,17 +97,18 @@ class NgramDraft:
             n += 1
         return n
 
-    def graft(self, tree: Tree, draft: torch.Tensor, room: int) -> tuple[Tree, torch.Tensor]:
+    def graft(self, tree: Tree, draft: torch.Tensor, room: int, merge: bool = True) -> tuple[Tree, torch.Tensor]:
         """The step's tree and drafts with the lookup chain added (unchanged when there is nothing to add).
 
-        `room`: the deepest node allowed (max_new_tokens / position limits)."""
+        `room`: the deepest node allowed (max_new_tokens / position limits). `merge`: share the nodes whose
+        head draft already equals the lookup token (greedy); False hangs the whole chain from the root."""
         self.chain, self.grafted = self.index.lookup(self.max_len), 0
         chain = self.chain[: min(self.length(), room)]
         if not chain:
             return tree, draft
         node, i = 0, 0
         tokens = draft.tolist()
-        while i < len(chain):
+        while merge and i < len(chain):
             nxt = next((c for c in tree.children[node] if tokens[c] == chain[i]), None)
             if nxt is None:
                 break
@@ -145,3 +148,23 @@ def _grafted(tree: Tree, node: int, length: int) -> tuple[Tree, torch.Tensor, to
     old_pos = torch.tensor([0] + [where[p] for p in tree.paths], dtype=torch.long)
     new_pos = torch.tensor([where[p] for p in extra], dtype=torch.long)
     return combined, old_pos, new_pos
+
+
+def lookup_nodes(tree: Tree) -> frozenset[int]:
+    """The nodes a graft added (their drafts came from the lookup, not from a head)."""
+    return frozenset(i for i, r in enumerate(tree.ranks) if r == NGRAM_RANK)
+
+
+def carry_rows(q: torch.Tensor, before: Tree, after: Tree) -> torch.Tensor:
+    """Per-parent draft distributions (one row per node of `before`) moved to the node ids of `after`.
+
+    The rows of added nodes stay zero: a lookup node's only children are lookup nodes, whose q is not read.
+    Per-depth layouts (fewer rows than nodes) do not depend on node ids and come back unchanged.
+    """
+    if before is after or q.shape[0] != len(before):
+        return q
+    where = {p: i + 1 for i, p in enumerate(after.paths)}
+    rows = torch.tensor([0] + [where[p] for p in before.paths], dtype=torch.long, device=q.device)
+    out = q.new_zeros(len(after), *q.shape[1:])
+    out[rows] = q
+    return out

@@ -101,6 +101,7 @@ def verify_sampled(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     generator: torch.Generator | None,
+    fixed: frozenset[int] = frozenset(),
 ) -> tuple[list[int], int]:
     """Recursive rejection sampling down the tree.
 
@@ -110,6 +111,10 @@ def verify_sampled(
                      (N, V) q per parent: row i = the q the children of node i were drawn from
                      (sequential drafters, whose q depends on the path). A tree of depth D has at
                      least D + 1 nodes, so the two layouts never have the same number of rows.
+    fixed:           nodes whose token was not drawn but chosen deterministically (prompt lookup): their
+                     q is a point mass, so they are accepted with probability r(x) and a rejection
+                     zeroes r(x). Each candidate only has to be independent of its siblings' outcomes,
+                     which a lookup continuation (a function of the text so far) is.
     Returns the accepted node ids (root first) and the bonus token (from p or from the residual).
     """
     per_parent = len(tree) > 1 and draft_probs.shape[0] == len(tree)
@@ -119,14 +124,22 @@ def verify_sampled(
         moved = False
         for child in tree.children[node]:
             x = draft[child]
-            q = draft_probs[node] if per_parent else draft_probs[tree.depths[child] - 1]
-            ratio = float(residual[x]) / max(float(q[x]), 1e-30)
             u = float(torch.rand((), generator=generator))
-            if u < min(1.0, ratio):
-                accepted.append(child)
-                node, moved = child, True
-                break
-            residual = (residual - q).clamp_(min=0)
+            if child in fixed:
+                if u < float(residual[x]):
+                    accepted.append(child)
+                    node, moved = child, True
+                    break
+                residual = residual.clone()
+                residual[x] = 0.0
+            else:
+                q = draft_probs[node] if per_parent else draft_probs[tree.depths[child] - 1]
+                ratio = float(residual[x]) / max(float(q[x]), 1e-30)
+                if u < min(1.0, ratio):
+                    accepted.append(child)
+                    node, moved = child, True
+                    break
+                residual = (residual - q).clamp_(min=0)
             total = float(residual.sum())
             if total <= 0:  # r == q exactly: r(x)/q(x) was 1, so this branch is unreachable in exact math
                 residual = target_probs[node]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import ARCHS, VOCAB, random_heads, tiny_model
 
-from mtp.ngram import NGRAM_RANK, NgramDraft, NgramIndex
+from mtp.ngram import NGRAM_RANK, NgramDraft, NgramIndex, carry_rows, lookup_nodes
 from mtp.tree import Tree, chain
 from mtp.verify import verify_greedy
 
@@ -91,15 +91,28 @@ def test_lookup_drafts_are_accepted_and_output_stays_exact(arch):
     assert torch.equal(model.generate(ids, max_new_tokens=80, eos_token_id=eos, prompt_lookup=True), want)
 
 
-def test_sampling_ignores_lookup():
+def test_sampling_with_lookup_is_seeded_and_keeps_the_chain_apart():
+    """Sampling grafts the lookup too (its exactness: tests/test_sampling.py); a seed still fixes the output."""
     model = random_heads(tiny_model("llama"), num_heads=3)
     ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
-    outs = [
-        model.generate(ids, max_new_tokens=30, do_sample=True, prompt_lookup=flag, tree="default",
-                       generator=torch.Generator().manual_seed(7))
-        for flag in (False, True)
-    ]  # fmt: skip
-    assert torch.equal(outs[0], outs[1])
+
+    def run() -> torch.Tensor:
+        return model.generate(ids, max_new_tokens=30, do_sample=True, prompt_lookup=True, tree="default",
+                              generator=torch.Generator().manual_seed(7))  # fmt: skip
+
+    assert torch.equal(run(), run())
+    tree = Tree([(0,), (1,), (0, 0)])
+    draft = torch.tensor([3, 9, 4, 1])  # the head draft at (0,) equals the lookup's first token
+    merged, _ = NgramDraft([9, 3, 9, 1, 2, 9, 3], max_len=3, node_cost=0.0).graft(tree, draft, room=5)
+    apart, tokens = NgramDraft([9, 3, 9, 1, 2, 9, 3], max_len=3, node_cost=0.0).graft(tree, draft, room=5, merge=False)
+    assert len(merged) < len(apart) == len(tree) + 3
+    assert lookup_nodes(apart) == {i for i, p in enumerate(apart.paths, 1) if p[0] == NGRAM_RANK}
+    assert [tokens[i] for i in sorted(lookup_nodes(apart))] == [9, 1, 2]
+    q = torch.rand(len(tree), 5)
+    moved = carry_rows(q, tree, apart)
+    for i, p in enumerate(tree.paths, 1):
+        assert torch.equal(moved[apart.paths.index(p) + 1], q[i])
+    assert torch.equal(moved[0], q[0]) and float(moved[sorted(lookup_nodes(apart))].abs().sum()) == 0
 
 
 def test_grafted_trees_are_valid_trees():

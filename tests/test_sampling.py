@@ -46,11 +46,11 @@ def peaked_model():
     return model.eval()
 
 
-def exact_joint(base, **kw) -> dict[tuple[int, ...], float]:
+def exact_joint(base, prompt: torch.Tensor = PROMPT, **kw) -> dict[tuple[int, ...], float]:
     """P(t1, t2, t3 | prompt) from the scores generate() samples from."""
 
     def next_probs(prefix: list[int]) -> torch.Tensor:
-        ids = torch.cat([PROMPT, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else PROMPT
+        ids = torch.cat([prompt, torch.tensor([prefix], dtype=torch.long)], 1) if prefix else prompt
         # explicit mask: token 0 is the pad id, and generate() would otherwise mask it out of the prompt
         out = base.generate(
             ids,
@@ -99,12 +99,12 @@ def chi2_pvalue(samples: list[tuple[int, ...]], joint: dict[tuple[int, ...], flo
     return float(chisquare(obs, exp).pvalue), tv
 
 
-def draw(model, n: int, seed: int, **kw) -> tuple[list[tuple[int, ...]], float]:
+def draw(model, n: int, seed: int, prompt: torch.Tensor = PROMPT, **kw) -> tuple[list[tuple[int, ...]], float]:
     g = torch.Generator().manual_seed(seed)
     samples, accepted, steps = [], 0, 0
     for _ in range(n):
         out = model.generate(
-            PROMPT, max_new_tokens=NEW, do_sample=True, generator=g, return_dict_in_generate=True, **kw
+            prompt, max_new_tokens=NEW, do_sample=True, generator=g, return_dict_in_generate=True, **kw
         )
         samples.append(tuple(out.sequences[0, -NEW:].tolist()))
         accepted += sum(a - 1 for a in out.accepted_lengths)
@@ -130,10 +130,34 @@ def test_speculative_sampling_matches_generate_distribution(peaked_model, tree, 
     assert acc_per_step > 0.5  # the rejection path AND the acceptance path are both exercised
 
 
+def test_sampling_with_prompt_lookup_matches_generate_distribution(peaked_model, monkeypatch):
+    """Lookup chains verified as point-mass drafts keep the distribution exact; they do get accepted."""
+    seen = {"lookup_steps": 0, "lookup_accepted": 0}
+    real = mtp.decoding.verify_sampled
+
+    def spy(tree, draft, target_probs, draft_probs, generator, fixed=frozenset()):
+        accepted, bonus = real(tree, draft, target_probs, draft_probs, generator, fixed=fixed)
+        seen["lookup_steps"] += bool(fixed)
+        seen["lookup_accepted"] += sum(node in fixed for node in accepted)
+        return accepted, bonus
+
+    monkeypatch.setattr(mtp.decoding, "verify_sampled", spy)
+    # the prompt, the model's own greedy continuation, the prompt again: the lookup proposes that continuation
+    seen_ids = PROMPT.clone()
+    greedy = peaked_model.base_model.generate(seen_ids, attention_mask=torch.ones_like(seen_ids), max_new_tokens=6)
+    prompt = torch.cat([greedy, PROMPT], 1)
+    joint = exact_joint(peaked_model.base_model, prompt, temperature=1.0)
+    samples, _ = draw(peaked_model, 1500, seed=3, prompt=prompt, tree=TREE, temperature=1.0, prompt_lookup=True)
+    pvalue, tv = chi2_pvalue(samples, joint)
+    print(f"lookup: p-value {pvalue:.3f}, TV {tv:.3f}, {seen}")
+    assert pvalue > 0.001, (pvalue, tv)
+    assert seen["lookup_steps"] > 500 and seen["lookup_accepted"] > 100
+
+
 def test_broken_verifier_is_detected(peaked_model, monkeypatch):
     """Accept-always (drafts taken as they come) must fail the very same test."""
 
-    def accept_all(tree, draft, target_probs, draft_probs, generator):
+    def accept_all(tree, draft, target_probs, draft_probs, generator, fixed=frozenset()):
         node, accepted = 0, [0]
         while tree.children[node]:
             node = tree.children[node][0]
@@ -164,6 +188,33 @@ def test_verify_sampled_alone_is_exact_on_synthetic_distributions():
     assert counts[~keep].sum() == 0
     expected = (p[keep] / p[keep].sum() * counts.sum()).tolist()
     assert chisquare(counts[keep].tolist(), expected).pvalue > 0.001
+
+
+def test_point_mass_candidates_keep_verify_sampled_exact():
+    """A deterministic (lookup) child beside sampled ones, and below it: every emitted token still follows p."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+    p2 = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1, 0.0])
+    q = torch.tensor([0.1, 0.1, 0.4, 0.0, 0.2, 0.2])
+    tree = Tree([(0,), (1,), (1000,), (1000, 1000)])  # two sampled candidates, then a 2-token lookup chain
+    fixed = frozenset({3, 4})
+    first, second = torch.zeros(6), torch.zeros(6, 6)
+    n = 20000
+    for _ in range(n):
+        draft = [0] + torch.multinomial(q, 2, replacement=True, generator=g).tolist() + [0, 1]
+        rows = torch.stack([p, p2, p2, p2, p2])  # p after the root, p2 after any first token
+        accepted, bonus = verify_sampled(tree, draft, rows, q[None], g, fixed=fixed)
+        tokens = [draft[i] for i in accepted[1:]] + [bonus]
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[0], tokens[1]] += 1
+    keep = p > 0
+    assert first[~keep].sum() == 0
+    assert chisquare(first[keep].tolist(), (p[keep] * n).tolist()).pvalue > 0.001
+    chain_rows = second[0]  # after the lookup's first token (0) was accepted, its second (1) competes with p2
+    assert chain_rows.sum() > 1000 and chain_rows[5] == 0
+    expected = (p2[:5].double() / p2[:5].double().sum() * chain_rows.sum().double()).tolist()
+    assert chisquare(chain_rows[:5].tolist(), expected).pvalue > 0.001
 
 
 def test_seed_reproduces_and_tiny_temperature_is_greedy(peaked_model):
