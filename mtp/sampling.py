@@ -124,22 +124,18 @@ def verify_sampled(
         moved = False
         for child in tree.children[node]:
             x = draft[child]
-            u = float(torch.rand((), generator=generator))
-            if child in fixed:
-                if u < float(residual[x]):
-                    accepted.append(child)
-                    node, moved = child, True
-                    break
-                residual = residual.clone()
-                residual[x] = 0.0
+            if child in fixed:  # a point mass at x: accepted with probability r(x), a rejection zeroes r(x)
+                q = torch.zeros_like(residual)
+                q[x] = 1.0
             else:
                 q = draft_probs[node] if per_parent else draft_probs[tree.depths[child] - 1]
-                ratio = float(residual[x]) / max(float(q[x]), 1e-30)
-                if u < min(1.0, ratio):
-                    accepted.append(child)
-                    node, moved = child, True
-                    break
-                residual = (residual - q).clamp_(min=0)
+            ratio = float(residual[x]) / max(float(q[x]), 1e-30)
+            u = float(torch.rand((), generator=generator))
+            if u < min(1.0, ratio):
+                accepted.append(child)
+                node, moved = child, True
+                break
+            residual = (residual - q).clamp_(min=0)
             total = float(residual.sum())
             if total <= 0:  # r == q exactly: r(x)/q(x) was 1, so this branch is unreachable in exact math
                 residual = target_probs[node]
