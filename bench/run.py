@@ -41,7 +41,7 @@ class MethodStats:
     prompts: int = 0
     peak_rss_mb: float = 0.0
     per_category: dict[str, list[float]] = field(default_factory=dict)  # category -> [seconds, tokens]
-    per_prompt_seconds: dict[int, float] = field(default_factory=dict)
+    per_prompt: dict[int, tuple[float, int]] = field(default_factory=dict)  # qid -> (seconds, new tokens)
     accepted_lengths: list[int] = field(default_factory=list)
     differences: list[Difference] = field(default_factory=list)
 
@@ -56,7 +56,7 @@ class MethodStats:
         cat = self.per_category.setdefault(category, [0.0, 0])
         cat[0] += seconds
         cat[1] += new
-        self.per_prompt_seconds[qid] = seconds
+        self.per_prompt[qid] = (seconds, new)
 
     @property
     def tokens_per_s(self) -> float:
@@ -141,6 +141,11 @@ def run_prompts(
     return stats
 
 
+def _per_token(seconds_tokens: tuple[float, int]) -> float:
+    seconds, tokens = seconds_tokens
+    return seconds / max(1, tokens)
+
+
 def summary_rows(stats: dict[str, MethodStats]) -> list[dict]:
     plain = stats["plain"]
     rows = []
@@ -149,8 +154,9 @@ def summary_rows(stats: dict[str, MethodStats]) -> list[dict]:
             c: (plain.per_category[c][0] / v[0]) * (v[1] / max(1, plain.per_category[c][1])) if v[0] else 0.0
             for c, v in st.per_category.items()
         }
+        # per token: after a bf16 near-tie an answer can run longer or shorter than plain's, and its time with it
         slowest = max(
-            (st.per_prompt_seconds[q] / plain.per_prompt_seconds[q] for q in st.per_prompt_seconds), default=1.0
+            (_per_token(st.per_prompt[q]) / _per_token(plain.per_prompt[q]) for q in st.per_prompt), default=1.0
         )
         rows.append(
             {
@@ -165,13 +171,14 @@ def summary_rows(stats: dict[str, MethodStats]) -> list[dict]:
                 "peak_rss_mb": round(st.peak_rss_mb),
                 "per_category_speedup": {c: round(v, 3) for c, v in sorted(cats.items())},
                 "differences": [asdict(d) for d in st.differences],
+                "per_prompt": {q: [round(sec, 3), n] for q, (sec, n) in st.per_prompt.items()},
             }
         )
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = "| dtype | method | tok/s | speedup | τ | identical | min category | worst prompt time | peak RSS MB |"
+    head = "| dtype | method | tok/s | speedup | τ | identical | min category | worst prompt time/token | peak RSS MB |"
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "–"
