@@ -125,7 +125,8 @@ def _warm_start(heads: nn.Module, base: nn.Module, source: Path) -> None:
         raise ConfigError(f"config key 'heads.init_from': {e}") from e
     if probe is not None and not probes_match(probe, base_probe(base)):
         raise ConfigError(f"config key 'heads.init_from': the heads in {source} were trained on a different base model")
-    heads.load_state_dict({k: v.to(heads.state_dict()[k].dtype) for k, v in state.items()})
+    own = heads.state_dict()
+    heads.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
 # ---- optimisation -----------------------------------------------------------------------------------------
