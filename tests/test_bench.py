@@ -78,3 +78,18 @@ def test_assistant_option_names_a_bad_directory(tmp_path):
     with pytest.raises(typer.BadParameter, match="unknown methods"):
         _methods("plain,tree,fastest")
     assert _methods("tree") == ["plain", "tree"]
+
+
+def test_worst_prompt_is_compared_per_token():
+    """A method whose answer ran twice as long in twice the time is not slower per token than plain."""
+    from mtp.bench.run import MethodStats
+
+    plain, ours = MethodStats("plain", "bfloat16"), MethodStats("ours", "bfloat16")
+    seq = torch.zeros(1, 1, dtype=torch.long)
+    plain.observe(1, "writing", 2.0, M.MethodResult(seq), 50, True)
+    ours.observe(1, "writing", 4.0, M.MethodResult(seq), 100, False)  # diverged, twice as long
+    plain.observe(2, "math", 4.0, M.MethodResult(seq), 100, True)
+    ours.observe(2, "math", 5.0, M.MethodResult(seq), 100, True)  # really 1.25x slower per token
+    rows = {r["method"]: r for r in summary_rows({"plain": plain, "ours": ours})}
+    assert rows["ours"]["worst_prompt_slowdown"] == pytest.approx(1.25)
+    assert rows["ours"]["per_prompt"] == {1: [4.0, 100], 2: [5.0, 100]}
