@@ -94,3 +94,21 @@ def check_heads_state(heads: nn.Module, state: dict[str, torch.Tensor], source: 
                 f"head tensor {name!r} in {source} has shape {tuple(state[name].shape)}, but this base "
                 f"model needs {tuple(tensor.shape)} (heads built for a different hidden/vocab size?)"
             )
+
+
+def apply_heads_state(
+    heads: nn.Module, base_model: nn.Module, state: dict[str, torch.Tensor], probe: torch.Tensor | None, source: Path
+) -> None:
+    """Load `state` (from `load_heads_state(source)`) into `heads` after checking its layout and base.
+
+    Shared by inference loading and training warm starts: heads on another base would draft noise (or
+    start training from noise) without any error, so a recorded base fingerprint must match.
+    """
+    check_heads_state(heads, state, source)
+    if probe is not None and not probes_match(probe, base_probe(base_model)):
+        raise ValueError(
+            f"the heads in {source} were trained on a different base model (weights checksum "
+            f"{base_fingerprint(probe)}, this base {base_fingerprint(base_probe(base_model))}); "
+            "load them on the base they were trained for"
+        )
+    heads.load_state_dict(state)

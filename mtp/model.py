@@ -16,11 +16,10 @@ from torch import nn
 from .adaptive import PRIOR_COST, PRIOR_COST_HALF, AdaptiveDraft
 from .arch import BaseInfo, describe
 from .checkpoint import (
+    apply_heads_state,
     base_fingerprint,
     base_probe,
-    check_heads_state,
     load_heads_state,
-    probes_match,
     save_heads,
 )
 from .config import MTPConfig
@@ -131,14 +130,7 @@ class MTPModel(nn.Module):
             num_heads=config.num_heads,
             **config.head_kwargs,
         )
-        check_heads_state(heads, state, directory)
-        heads.load_state_dict(state)
-        if probe is not None and not probes_match(probe, base_probe(base_model)):
-            raise ValueError(
-                f"the heads in {directory} were trained on a different base model (weights checksum "
-                f"{config.base_checksum}, this base {base_fingerprint(base_probe(base_model))}); "
-                "load them on the base they were trained for"
-            )
+        apply_heads_state(heads, base_model, state, probe, directory)
         param = next(base_model.parameters())
         heads.to(device=param.device, dtype=param.dtype)
         model = cls(base_model, heads, config)

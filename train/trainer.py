@@ -114,19 +114,15 @@ def _warm_start(heads: nn.Module, base: nn.Module, source: Path) -> None:
     The same checks as loading for inference: the layout must fit and, when the file records one, the base
     fingerprint must match, since heads trained on another base would start from noise and hide it.
     """
-    from mtp.checkpoint import base_probe, check_heads_state, load_heads_state, probes_match
+    from mtp.checkpoint import apply_heads_state, load_heads_state
 
     if not source.is_dir():
         raise ConfigError(f"config key 'heads.init_from': no directory {source}")
     try:
         state, probe, _ = load_heads_state(source)
-        check_heads_state(heads, state, source)
+        apply_heads_state(heads, base, state, probe, source)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"config key 'heads.init_from': {e}") from e
-    if probe is not None and not probes_match(probe, base_probe(base)):
-        raise ConfigError(f"config key 'heads.init_from': the heads in {source} were trained on a different base model")
-    own = heads.state_dict()
-    heads.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
 
 # ---- optimisation -----------------------------------------------------------------------------------------
