@@ -93,9 +93,6 @@ def test_heap_trimmer_gives_pages_back_past_its_slack():
     trim = trainer.HeapTrimmer(slack_mb=200)
     assert trim() and not trim()  # the first call sets the floor; nothing has grown since
 
-    def rss_kb() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * 4
-
     # Freeing a 16 MB mmapped block makes glibc raise its mmap threshold to 16 MB (its dynamic rule), so the
     # odd-sized blocks after it come from the heap, as a training step's do; one block stays alive above them.
     big = torch.empty(4 * 1024 * 1024)
@@ -106,7 +103,7 @@ def test_heap_trimmer_gives_pages_back_past_its_slack():
     for b in blocks:
         b.fill_(1.0)
     del blocks
-    before = rss_kb()
+    before = trainer._rss_kb()
     assert trim() and trim.trims == 2  # grown by > 200 MB since the last trim
-    after = rss_kb()
+    after = trainer._rss_kb()
     assert keep.numel() and after < before - 300_000  # most of the freed ~530 MB went back to the OS
