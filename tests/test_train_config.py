@@ -29,14 +29,18 @@ def test_shipped_configs_validate(name):
 
 
 def test_shipped_heads_config_validates():
-    """The recipe of the shipped heads (configs/smollm2-mtp.yaml) stays loadable as the schema evolves."""
+    """The recipes of the shipped heads (configs/smollm2-mtp*.yaml, three stages) stay loadable and chained."""
     cfg = load_config(REPO / "configs" / "smollm2-mtp.yaml")
     assert (cfg.heads.head_type, cfg.heads.num_heads, cfg.loss.soft_targets) == ("mtp", 3, True)
     assert cfg.data.eval_path and "sharegpt" in cfg.data.path
-    stage2 = load_config(REPO / "configs" / "smollm2-mtp-continue.yaml")
-    assert stage2.heads.init_from == cfg.train.output_dir  # stage 2 continues stage 1's run
-    assert (stage2.heads.head_type, stage2.heads.num_heads) == (cfg.heads.head_type, cfg.heads.num_heads)
-    assert stage2.data.eval_path == cfg.data.eval_path  # the same held-out answers, never trained on
+    previous = cfg
+    for name in ("smollm2-mtp-continue.yaml", "smollm2-mtp-stage3.yaml"):
+        stage = load_config(REPO / "configs" / name)
+        assert stage.heads.init_from == previous.train.output_dir  # each stage continues the one before
+        assert (stage.heads.head_type, stage.heads.num_heads) == (cfg.heads.head_type, cfg.heads.num_heads)
+        assert stage.data.eval_path == cfg.data.eval_path  # the same held-out answers, never trained on
+        assert stage.train.output_dir != previous.train.output_dir
+        previous = stage
 
 
 @pytest.mark.parametrize("name", ["ds_zero2.json", "ds_zero3.json"])
