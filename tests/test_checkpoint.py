@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -107,3 +109,20 @@ def test_heads_only_without_base_pointer(model, tmp_path):
     model.save_pretrained(tmp_path, heads_only=True)
     with pytest.raises(ValueError, match="pass base_model="):
         MTPModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_saved_weights_follow_the_umask(model, tmp_path, umask, mode):
+    """safetensors writes 0600 whatever the umask: a checkpoint exported by one user and served by another
+    would fail on its weights alone. Every weights file gets the mode of any other new file, never wider."""
+    old = os.umask(umask)
+    try:
+        model.save_pretrained(tmp_path / "full")
+        model.save_pretrained(tmp_path / "heads", heads_only=True)
+    finally:
+        os.umask(old)
+    weights = sorted(tmp_path.rglob("*.safetensors"))
+    assert {p.name for p in weights} == {"model.safetensors", HEADS_NAME}
+    assert {p: stat.S_IMODE(p.stat().st_mode) for p in weights} == {p: mode for p in weights}
+    config = tmp_path / "heads" / CONFIG_NAME
+    assert stat.S_IMODE(config.stat().st_mode) == mode  # the same mode as the JSON beside it

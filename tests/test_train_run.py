@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -75,6 +76,13 @@ def test_resume_is_exact_medusa2(tmp_path, tiny_ckpt):  # noqa: F811
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
     assert [m["loss"] for m in read_metrics(straight)] == pytest.approx([m["loss"] for m in read_metrics(stopped)])
     assert [m["step"] for m in read_metrics(stopped)] == list(range(1, 9))
+    # every weights file (checkpoint heads, LoRA adapter, final heads) is readable like the JSON beside it,
+    # not owner-only as safetensors writes it
+    from mtp.files import current_umask
+
+    weights = list(stopped.rglob("*.safetensors"))
+    assert len(weights) >= 4
+    assert {stat.S_IMODE(p.stat().st_mode) for p in weights} == {0o666 & ~current_umask()}
 
 
 def test_kill_and_resume(tmp_path, tiny_ckpt):  # noqa: F811

@@ -27,6 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from mtp.files import share_weights
+
 from .config import Config, ConfigError, save_config
 from .distributed import DistEnv, barrier
 
@@ -105,6 +107,7 @@ def save_trainables(directory: Path, heads: nn.Module, peft_model: Any, engine: 
         save_file(tensors, str(directory / HEADS_FILE), metadata={"format": "pt"})
         if peft_model is not None:
             peft_model.save_pretrained(str(directory / ADAPTER_DIR))
+        share_weights(directory)
 
 
 def load_trainables(directory: Path, heads: nn.Module, peft_model: Any) -> None:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from mtp.config import CONFIG_NAME
+from mtp.files import share_weights
 from mtp.model import MTPModel
 
 from .checkpointing import ADAPTER_DIR, HEADS_FILE
@@ -73,6 +74,7 @@ def _export_assistant(model: MTPModel, tokenizer: Any, out: Path) -> Path:
     lm = model.heads.to_causal_lm(model.base_model)
     lm.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    share_weights(out)
     n = sum(p.numel() for p in lm.parameters())
     print(f"draft model: {lm.config.num_hidden_layers} layers (from base layers {lm.config.mtp_draft_layers}), "
           f"{n / 1e6:.1f}M parameters; load it with AutoModelForCausalLM.from_pretrained('{out}') and pass it "
