@@ -14,7 +14,9 @@ Every `every` steps the policy rebuilds the best tree for each size on a ladder 
 the estimated accuracies) and keeps the size with the highest expected-length / expected-seconds.
 With `timed=False` only the prior cost curve is used, so the tree sequence depends on the text alone:
 sampling needs that, because which tree a step uses decides which random numbers it draws, and a
-seeded generate() must give the same tokens on a busy machine as on a quiet one.
+seeded generate() must give the same tokens on a busy machine as on a quiet one. Half precision needs
+it too: the tree decides how the verify forward rounds, so a timed policy's bf16 greedy output would
+change at near-ties with the machine's load.
 
 Size 1 means no drafting at all (one plain decode step, no head cost); while there, a small probe
 tree runs every `probe_every` steps so the estimates can recover when the text becomes predictable.
@@ -68,9 +70,10 @@ class AdaptiveDraft:
         probe_every: int = 16,
         max_rank: int = 8,
         timed: bool = True,
+        ladder: Sequence[int] = LADDER,
     ):
         self.num_heads = num_heads
-        self.sizes = [n for n in LADDER if n <= max(1, max_nodes)]
+        self.sizes = sorted({n for n in ladder if n <= max(1, max_nodes)} | {1})
         prior = [list(r) for r in (prior_accuracies or DEFAULT_ACCURACIES)][:num_heads]
         while len(prior) < num_heads:
             prior.append([x * 0.7 for x in prior[-1]])

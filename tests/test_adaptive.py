@@ -59,3 +59,26 @@ def test_seeded_sampling_with_the_adaptive_tree_is_reproducible():
         for _ in range(3)
     ]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_half_precision_greedy_does_not_read_the_clock(fitted, monkeypatch):
+    """In bf16 the tree a step uses decides how the verify forward rounds, so a policy steered by wall-clock
+    timings would give different (near-tie) greedy output on a busy machine than on a quiet one. Half
+    precision steers by the prior cost curve alone: same prompt, same tokens and the same steps, whatever
+    the clock says. (fp32 output is exact either way, so there the timings stay in charge.)"""
+    import copy
+    import random
+
+    from mtp import decoding
+
+    model, prompts, _ = fitted("llama")
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    real = decoding.time.perf_counter
+    runs = []
+    for seed in (0, 1, 2):
+        jitter = random.Random(seed)
+        monkeypatch.setattr(decoding.time, "perf_counter", lambda j=jitter: real() + j.uniform(0, 5))
+        out = half.generate(prompts[1], max_new_tokens=48, return_dict_in_generate=True)
+        runs.append((out.sequences.tolist(), out.accepted_lengths))
+    assert all(r == runs[0] for r in runs[1:])
+    assert sum(runs[0][1]) / len(runs[0][1]) > 1.5  # the heads draft (a policy stuck at plain steps passes trivially)
