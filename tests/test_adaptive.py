@@ -82,3 +82,50 @@ def test_half_precision_greedy_does_not_read_the_clock(fitted, monkeypatch):
         runs.append((out.sequences.tolist(), out.accepted_lengths))
     assert all(r == runs[0] for r in runs[1:])
     assert sum(runs[0][1]) / len(runs[0][1]) > 1.5  # the heads draft (a policy stuck at plain steps passes trivially)
+
+
+def test_a_pinned_shape_is_only_switched_on_or_off():
+    """`shapes` fixes a size's tree: hits on the rank-0 chain would otherwise deepen it (as in the first
+    test), misses still switch drafting off, and hits switch the very same tree back on."""
+    pinned = Tree([(0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0)])
+    full = len(pinned)
+    policy = AdaptiveDraft(
+        num_heads=4, max_nodes=full, prior_cost=PRIOR_COST_HALF, timed=False, ladder=(1, full), shapes={full: pinned}
+    )
+    free = AdaptiveDraft(num_heads=4, max_nodes=full, prior_cost=PRIOR_COST_HALF, timed=False, ladder=(1, full))
+    for _ in range(40):
+        _step(policy, hit=True)
+        _step(free, hit=True)
+    assert policy.current == pinned
+    assert free.current != pinned and free.current.depth == 4  # unpinned, the same hits reshape it
+    for _ in range(400):
+        _step(policy, hit=False)
+    assert len(policy.current) == 1
+    for _ in range(40 * policy.probe_every):
+        _step(policy, hit=True)
+        if len(policy.current) > 1:
+            break
+    assert policy.current == pinned
+
+
+def test_half_precision_default_drafts_the_default_tree_or_nothing(fitted, monkeypatch):
+    import copy
+
+    from mtp import decoding
+
+    model, prompts, _ = fitted("llama")
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    seen: list[Tree] = []
+    real = decoding.TreeScorer.score
+
+    def spy(self, draft, tree):
+        seen.append(tree)
+        return real(self, draft, tree)
+
+    monkeypatch.setattr(decoding.TreeScorer, "score", spy)
+    half.generate(prompts[1], max_new_tokens=48, prompt_lookup=False)
+    default = half.default_tree
+    assert len(seen) > 3
+    # every step verifies the default tree (cut only where max_new_tokens leaves less room) or no draft
+    assert all(len(t) == 1 or t == default or set(t.paths) <= set(default.paths) for t in seen)
+    assert sum(t == default for t in seen) >= len(seen) // 2
