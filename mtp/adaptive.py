@@ -42,26 +42,9 @@ DRAFT_OVERHEAD = 0.15
 FORGET = 0.99
 
 LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-# Forward cost over k new tokens relative to k = 1: the fp32 curve `mtp bench` measures for SmolLM2 on a
-# 2-core AVX512 CPU (k = 3, 6, 12, 24, 48 interpolated), pessimistic for GPUs. The online timings replace
-# it as soon as a size has been used; until then it decides the first trees, which is all a short answer
-# gets: with a flatter curve (1.5 at 4-8 nodes) the policy opened with 11-13-node trees and 10-30-token
-# answers came out 8-30% slower than plain generate() (MT-Bench fp32); with this one it opens small and
-# grows where the heads hit (6 prompts, 2 runs each: 1.44x vs 1.33x).
-PRIOR_COST = {
-    1: 1.0,
-    2: 1.19,
-    3: 1.4,
-    4: 1.64,
-    6: 1.8,
-    8: 1.94,
-    12: 2.0,
-    16: 2.06,
-    24: 2.3,
-    32: 2.55,
-    48: 3.0,
-    64: 3.58,
-}
+# Forward cost over k new tokens relative to k = 1 (a CPU fp32 curve, conservative for bf16/GPU); the
+# online timings replace it as soon as a size has been used.
+PRIOR_COST = {1: 1.0, 2: 1.3, 3: 1.4, 4: 1.5, 6: 1.5, 8: 1.5, 12: 1.55, 16: 1.6, 24: 1.9, 32: 2.1, 48: 2.8, 64: 3.4}
 # bf16/fp16 on a CPU with bf16 matrix units: a 16-token forward costs about one decode step (measured with
 # bench/verify_cost.py on SmolLM2: 0.8-1.0 for k = 2..16, 1.2 at 32).
 PRIOR_COST_HALF = {
