@@ -229,6 +229,19 @@ def test_trainer_objective_trains_only_the_modules():
 
 
 def _same_drafts(a: MTPModel, b: MTPModel) -> None:
+    """The reloaded model has the very same weights and decodes the very same tokens.
+
+    Its draft logits agree to float rounding, not bit for bit: transformers (>= 5.25) leaves loaded
+    safetensors weights at 8-byte- instead of 64-byte-aligned addresses, and the CPU GEMM takes another
+    reduction order for unaligned operands (a 64-byte-aligned copy of the same weight gives the original
+    bits back). So the promise checked here is: identical weights, identical greedy tokens and drafts.
+    """
+    for name, sd_a, sd_b in (
+        ("base", a.base_model.state_dict(), b.base_model.state_dict()),
+        ("heads", a.heads.state_dict(), b.heads.state_dict()),
+    ):
+        assert sd_a.keys() == sd_b.keys(), name
+        assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a), f"{name} weights changed in the round trip"
     ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     for tree in ("chain", SMALL_TREE):
         ra = a.generate(ids, max_new_tokens=24, tree=tree, return_dict_in_generate=True)
@@ -242,7 +255,7 @@ def _same_drafts(a: MTPModel, b: MTPModel) -> None:
             p.begin(hidden, ids[0])
         assert torch.equal(pa.propose(9, Tree(SMALL_TREE)), pb.propose(9, Tree(SMALL_TREE)))
     for node, logits in pa.draft_logits.items():
-        torch.testing.assert_close(logits, pb.draft_logits[node], rtol=0, atol=0)
+        torch.testing.assert_close(logits, pb.draft_logits[node], rtol=1e-5, atol=1e-6)
 
 
 def test_save_load_round_trips(tmp_path):
