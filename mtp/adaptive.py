@@ -140,10 +140,17 @@ class AdaptiveDraft:
         return self.current
 
     def update(self, tree: Tree, accepted: list[int], seconds: float) -> None:
-        """Record one verify step: the children of every accepted node were trials, hit if accepted."""
+        """Record one verify step (accuracies, and seconds when timed); re-pick the size every `every` steps."""
         n = len(tree)
         if self.timed:
             self.seconds[n] = seconds if n not in self.seconds else 0.8 * self.seconds[n] + 0.2 * seconds
+        self.observe(tree, accepted)
+        if self.step % self.every == 0 or (n == 1 and len(self.current) > 1):
+            self.current = self._best()
+
+    def observe(self, tree: Tree, accepted: list[int]) -> None:
+        """Only the accuracy counts: the children of every accepted node were trials, hit if accepted.
+        (The batched decoder plans sizes for the whole batch itself and uses just these estimates.)"""
         on_path = set(accepted)
         for row in (*self.hits, *self.trials):
             for r in range(len(row)):
@@ -154,5 +161,3 @@ class AdaptiveDraft:
                 if d < len(self.trials) and r < len(self.trials[d]):  # prompt-lookup nodes are not heads
                     self.trials[d][r] += 1
                     self.hits[d][r] += child in on_path
-        if self.step % self.every == 0 or (n == 1 and len(self.current) > 1):
-            self.current = self._best()

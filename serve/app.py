@@ -23,11 +23,12 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .batch_scheduler import BatchScheduler
 from .engine import FinishEvent, ModelRunner, TokenEvent
 from .metrics import ServerMetrics
 from .prompts import chat_prompt_ids, completion_prompt_ids, generation_params
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponseBuilder, parse_request, sse, usage
-from .scheduler import FifoScheduler, Job, QueueFull, ShuttingDown
+from .scheduler import Job, QueueFull, ShuttingDown
 from .streaming import StepPacer
 
 logger = logging.getLogger("mtp.serve")
@@ -43,6 +44,8 @@ class ServeConfig:
     max_context: int
     api_key: str | None = None
     max_queue: int = 64
+    max_batch_size: int = 16  # requests decoded together (continuous batching)
+    max_kv_tokens: int = 65536  # KV-cache budget in token positions for the padded batch
     smooth_streaming: bool = True
     default_speculative: bool = True  # for requests that do not say (`"speculative": true|false`)
     max_pacing_gap: float = 0.05  # seconds; longest pause pacing inserts between two tokens
@@ -50,12 +53,15 @@ class ServeConfig:
 
 
 def create_app(runner: ModelRunner, config: ServeConfig) -> FastAPI:
-    scheduler = FifoScheduler(runner, max_queue=config.max_queue)
+    scheduler = BatchScheduler(
+        runner, max_queue=config.max_queue, max_batch_size=config.max_batch_size, max_kv_tokens=config.max_kv_tokens
+    )
     metrics = ServerMetrics(
         config.model_name, running=lambda: scheduler.num_running, waiting=lambda: scheduler.num_waiting
     )
     metrics.init_positions(runner.num_heads)
     scheduler.on_finish = lambda job, finish: _record(metrics, job, finish)
+    scheduler.on_step = metrics.record_step
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -29,6 +29,10 @@ def serve(
     ),
     served_model_name: str | None = typer.Option(None, help="Model id clients send (default: the directory name)."),
     max_queue: int = typer.Option(64, min=0, help="Waiting requests allowed before answering 429."),
+    max_batch_size: int = typer.Option(16, min=1, help="Requests decoded together (continuous batching)."),
+    kv_budget: int = typer.Option(
+        65536, min=64, help="KV-cache budget in token positions for the whole batch; requests beyond it wait."
+    ),
     max_context: int | None = typer.Option(
         None, min=1, help="Context length (prompt + completion); default: the model's max_position_embeddings."
     ),
@@ -87,6 +91,8 @@ def serve(
         max_context=context,
         api_key=api_key or None,
         max_queue=max_queue,
+        max_batch_size=max_batch_size,
+        max_kv_tokens=kv_budget,
         smooth_streaming=smooth_streaming,
         default_speculative=default_speculative,
         note=note,

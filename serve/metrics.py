@@ -21,6 +21,8 @@ PREFIX = "mtp:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+FORWARD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass
@@ -196,9 +198,16 @@ class ServerMetrics:
             "Drafted tokens accepted, by draft position.",
             ("position",),
         )
+        self.batch_size = h("batch_size", "Requests (rows) in one batched verify forward.", BATCH_BUCKETS)
+        self.forward_tokens = h(
+            "tokens_per_forward", "Tokens in one batched verify forward (rows x tree nodes, padding included).",
+            FORWARD_BUCKETS,
+        )  # fmt: skip
         self._all = [
             self.num_running,
             self.num_waiting,
+            self.batch_size,
+            self.forward_tokens,
             self.requests,
             self.errors,
             self.success,
@@ -218,6 +227,11 @@ class ServerMetrics:
         """Show every draft position from the start (at 0), as vLLM does, so rates are defined early."""
         for pos in range(num_positions):
             self.spec_accepted_per_pos.inc(0, position=str(pos))
+
+    def record_step(self, batch_size: int, forward_tokens: int) -> None:
+        """One batched verify forward (called from the worker thread)."""
+        self.batch_size.observe(batch_size)
+        self.forward_tokens.observe(forward_tokens)
 
     def record_spec(self, stats: SpecDecodingStats) -> None:
         if not stats.num_drafts:

@@ -365,6 +365,9 @@ def test_eight_concurrent_clients_all_get_their_own_correct_answer(served):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(call, jobs))
     assert results == [j[2] for j in jobs]
+    m = served.server.metrics()  # they were decoded together: some forwards carried several rows
+    assert m["mtp:batch_size_count"] > 0 and m['mtp:batch_size_bucket{le="1"}'] < m["mtp:batch_size_count"]
+    assert m["mtp:tokens_per_forward_count"] == m["mtp:batch_size_count"]
 
 
 # ---- bad input --------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ def server(tmp_path_factory):
         MODEL,
         "--max-queue",
         "1",
+        "--max-batch-size",  # one running request, so a second one waits and a third finds the queue full
+        "1",
         "--max-context",
         "4096",
         "--shutdown-timeout",
