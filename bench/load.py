@@ -1,14 +1,17 @@
-"""Load test for `mtp serve`: requests/s, latency and time to first token, with and without speculation.
+"""Load test on loopback: output tokens/s, latency and time to first token per concurrency level.
 
-    python bench/load.py                        # starts `mtp serve` on the embedded model, loopback
-    python bench/load.py --model ckpt/          # ... on a checkpoint
+    python bench/load.py                        # `mtp serve` on the embedded model, speculative and plain
+    python bench/load.py --concurrency 1,2,4,8,16 --servers mtp,transformers --server-arg=--dtype \
+        --server-arg=bfloat16 --json bench/latest/load/results.json --plot bench/latest/load/results.png
     python bench/load.py --url http://127.0.0.1:8000 --model-name NAME   # an already running server
 
-Loopback only (it refuses other hosts: this is a benchmark, not a load generator for someone else's
-server) and bounded: at most --requests requests per mode (hard cap 500) and --time-limit seconds per
-mode. Each request streams a chat completion (greedy), so time to first token is measured as a client
-sees it: from sending the request to the first content chunk. The same prompts run once with
-speculation (`"speculative": true`) and once without, so the two columns differ only in that switch.
+Servers: `mtp` starts `mtp serve` and runs two modes on it, `"speculative": true` and `false` per request (the
+two columns then differ only in that switch); `transformers` starts `transformers serve --continuous-batching`
+on the same model directory and dtype, and gets plain OpenAI bodies (it rejects unknown fields). Each level
+sends `--requests` requests (default: max(8, 2 x concurrency)), `concurrency` at a time, each a streamed greedy
+chat completion of one of the short customer-support prompts below; time to first token is measured as a
+client sees it. Loopback only (it refuses other hosts: this is a benchmark, not a load generator for someone
+else's server) and bounded: at most 500 requests per level and mode, and --time-limit seconds each.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # run as a script: bench/profile.py would shadow the standard library's profile module
 
 MAX_REQUESTS = 500
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -79,7 +85,7 @@ def one_request(host: str, port: int, body: dict, api_key: str | None, timeout: 
         resp = conn.getresponse()
         if resp.status != 200:
             return Result(False, error=f"HTTP {resp.status}: {resp.read()[:200]!r}")
-        ttft, tokens, tau = None, 0, 1.0
+        ttft, usage, chunks, tau = None, None, 0, 1.0
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -87,13 +93,16 @@ def one_request(host: str, port: int, body: dict, api_key: str | None, timeout: 
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 return Result(False, error=chunk["error"]["message"])
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and ttft is None:
-                ttft = time.perf_counter() - t0
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]["completion_tokens"]
             if "tau" in chunk.get("mtp", {}):
                 tau = chunk["mtp"]["tau"]
         latency = time.perf_counter() - t0
+        tokens = usage if usage is not None else chunks  # no usage chunk: one content chunk per token
         return Result(True, latency=latency, ttft=ttft if ttft is not None else latency, tokens=tokens, tau=tau)
     except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
         return Result(False, error=f"{type(e).__name__}: {e}")
@@ -101,19 +110,24 @@ def one_request(host: str, port: int, body: dict, api_key: str | None, timeout: 
         conn.close()
 
 
-def run_mode(args: argparse.Namespace, host: str, port: int, speculative: bool) -> dict:
-    """`--requests` requests, `--concurrency` at a time, stopping new ones after `--time-limit` s."""
+def run_mode(args: argparse.Namespace, host: str, port: int, mode: str, concurrency: int, requests: int) -> dict:
+    """`requests` requests, `concurrency` at a time, stopping new ones after `--time-limit` s.
+
+    mode: "speculative" / "plain" (an `mtp serve`: the extension field set per request) or "openai" (any other
+    OpenAI-compatible server: a plain body)."""
 
     def body(i: int) -> dict:
-        return {
+        b = {
             "model": args.model_name,
             "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
             "max_tokens": args.max_tokens,
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "speculative": speculative,
         }
+        if mode != "openai":
+            b["speculative"] = mode == "speculative"
+        return b
 
     one_request(host, port, body(0) | {"max_tokens": 2}, args.api_key, args.timeout)  # warm-up, not counted
     deadline = time.perf_counter() + args.time_limit
@@ -128,16 +142,17 @@ def run_mode(args: argparse.Namespace, host: str, port: int, speculative: bool) 
             results.append(r)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        list(pool.map(task, range(args.requests)))
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(task, range(requests)))
     wall = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
     lat, ttft = [r.latency for r in ok], [r.ttft for r in ok]
     return {
-        "speculative": speculative,
+        "mode": mode,
+        "concurrency": concurrency,
         "completed": len(ok),
         "errors": len(results) - len(ok),
-        "skipped_by_time_limit": args.requests - len(results),
+        "skipped_by_time_limit": requests - len(results),
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(ok) / wall, 4) if wall > 0 else 0.0,
         "output_tokens_per_s": round(sum(r.tokens for r in ok) / wall, 2) if wall > 0 else 0.0,
@@ -158,29 +173,36 @@ def _free_port() -> int:
 
 
 class _LocalServer:
-    """`mtp serve` on a free loopback port for the duration of the benchmark."""
+    """A server on a free loopback port for the duration of the benchmark: `mtp serve` or `transformers serve`."""
 
-    def __init__(self, model: str | None, extra: list[str]):
+    def __init__(self, kind: str, model: str | None, extra: list[str], dtype: str):
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "mtp.cli", "serve", "--port", str(self.port), *extra]
-        if model:
-            cmd += ["--model", model]
-        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"mtp-load-{self.port}.log"
+        if kind == "mtp":
+            cmd = [sys.executable, "-m", "mtp.cli", "serve", "--port", str(self.port), *extra]
+            if model:
+                cmd += ["--model", model]
+        else:  # the same weights as a plain HF checkpoint, served by transformers' own continuous batching
+            from mtp.default_model import default_model_dir
+
+            path = model or str(default_model_dir())
+            cmd = ["transformers", "serve", path, "--continuous-batching", "--dtype", dtype, "--device", "cpu"]
+            cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{kind}-load-{self.port}.log"
         self._out = self.log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"mtp serve exited; see {self.log}")
+                raise SystemExit(f"{kind} server exited; see {self.log}")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/health")
-                health = json.loads(conn.getresponse().read())
-                self.model_name = health["model"]
+                conn.request("GET", "/v1/models" if kind != "mtp" else "/health")
+                body = json.loads(conn.getresponse().read())
+                self.model_name = body["model"] if kind == "mtp" else (path if model is None else model)
                 return
-            except (OSError, ValueError):
+            except (OSError, ValueError, KeyError):
                 time.sleep(0.5)
-        raise SystemExit(f"mtp serve did not come up in 300 s; see {self.log}")
+        raise SystemExit(f"{kind} server did not come up in 300 s; see {self.log}")
 
     def close(self) -> None:
         self.proc.terminate()
@@ -191,66 +213,97 @@ class _LocalServer:
         self._out.close()
 
 
+def _levels(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",") if x.strip()]
+    if not levels or any(not 1 <= c <= 64 for c in levels):
+        raise ValueError("--concurrency takes levels between 1 and 64, e.g. 1,2,4,8,16")
+    return levels
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", help="A running server (loopback only). Default: start one.")
-    p.add_argument("--model", help="Checkpoint for the server this script starts (default: the embedded model).")
-    p.add_argument("--model-name", help="Model id to send (default: what /health reports).")
+    p.add_argument("--url", help="A running `mtp serve` (loopback only). Default: start the servers.")
+    p.add_argument("--model", help="Checkpoint for the servers this script starts (default: the embedded model).")
+    p.add_argument("--model-name", help="Model id to send (default: what the server reports).")
     p.add_argument("--api-key", default=os.environ.get("MTP_API_KEY"))
-    p.add_argument("--requests", type=int, default=16, help=f"Requests per mode (at most {MAX_REQUESTS}).")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--requests", type=int, help=f"Requests per level and mode (default max(8, 2 x concurrency), "
+                   f"at most {MAX_REQUESTS}).")  # fmt: skip
+    p.add_argument("--concurrency", default="4", help="Concurrency levels, e.g. 1,2,4,8,16.")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--time-limit", type=float, default=300.0, help="Seconds per mode; later requests are skipped.")
+    p.add_argument("--time-limit", type=float, default=300.0, help="Seconds per level and mode.")
     p.add_argument("--timeout", type=float, default=300.0, help="Per-request timeout in seconds.")
-    p.add_argument("--modes", default="speculative,plain", help="speculative,plain | speculative | plain")
+    p.add_argument("--modes", default="speculative,plain", help="Modes on mtp serve: speculative,plain | one.")
+    p.add_argument("--servers", default="mtp", help="mtp | transformers | mtp,transformers (started here).")
     p.add_argument("--server-arg", action="append", default=[], help="Extra `mtp serve` argument (repeatable).")
     p.add_argument("--json", help="Write the report here as JSON.")
+    p.add_argument("--plot", help="Write a PNG of tok/s and p95 latency per concurrency level here.")
     args = p.parse_args(argv)
-    if not 1 <= args.requests <= MAX_REQUESTS:
+    try:
+        levels = _levels(args.concurrency)
+    except ValueError as e:
+        p.error(str(e))
+    if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS:
         p.error(f"--requests must be between 1 and {MAX_REQUESTS}")
-    if not 1 <= args.concurrency <= 64:
-        p.error("--concurrency must be between 1 and 64")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"speculative", "plain"}:
         p.error("--modes takes speculative and/or plain")
+    servers = [x.strip() for x in args.servers.split(",") if x.strip()]
+    if not servers or set(servers) - {"mtp", "transformers"} or (args.url and servers != ["mtp"]):
+        p.error("--servers takes mtp and/or transformers (with --url: mtp only)")
+    dtype = "float32"
+    if "--dtype" in args.server_arg:
+        dtype = args.server_arg[args.server_arg.index("--dtype") + 1]
+    dtype = next((a.split("=", 1)[1] for a in args.server_arg if a.startswith("--dtype=")), dtype)
 
-    server = None
-    if args.url:
-        url = urlparse(args.url)
-        if url.hostname not in LOOPBACK:
-            p.error(f"--url must point at this machine ({', '.join(sorted(LOOPBACK))}), not {url.hostname}")
-        host, port = url.hostname, url.port or 80
-    else:
-        server = _LocalServer(args.model, args.server_arg)
-        host, port = "127.0.0.1", server.port
-        args.model_name = args.model_name or server.model_name
-    try:
-        if args.model_name is None:
-            conn = http.client.HTTPConnection(host, port, timeout=10)
-            conn.request("GET", "/health")
-            args.model_name = json.loads(conn.getresponse().read())["model"]
-        report = {
-            "model": args.model_name,
-            "requests": args.requests,
-            "concurrency": args.concurrency,
-            "max_tokens": args.max_tokens,
-            "modes": {m: run_mode(args, host, port, speculative=(m == "speculative")) for m in modes},
-        }
-    finally:
-        if server is not None:
-            server.close()
+    # columns: (label, server kind, mode)
+    columns = [(f"mtp-{m}", "mtp", m) for m in modes if "mtp" in servers]
+    if "transformers" in servers:
+        columns.append(("transformers-cb", "transformers", "openai"))
+    report = {"model": None, "max_tokens": args.max_tokens, "dtype": dtype, "levels": []}
+    results: dict[str, dict[int, dict]] = {label: {} for label, _, _ in columns}
+    given_name = args.model_name
+    for kind in dict.fromkeys(k for _, k, _ in columns):
+        server = None
+        if args.url:
+            url = urlparse(args.url)
+            if url.hostname not in LOOPBACK:
+                p.error(f"--url must point at this machine ({', '.join(sorted(LOOPBACK))}), not {url.hostname}")
+            host, port = url.hostname, url.port or 80
+        else:
+            server = _LocalServer(kind, args.model, args.server_arg, dtype)
+            host, port = "127.0.0.1", server.port
+        try:
+            name = server.model_name if server else given_name
+            if name is None:
+                conn = http.client.HTTPConnection(host, port, timeout=10)
+                conn.request("GET", "/health")
+                name = json.loads(conn.getresponse().read())["model"]
+            report["model"] = report["model"] or name
+            args.model_name = name  # each server knows the model by its own id
+            for c in levels:
+                n = args.requests or max(8, 2 * c)
+                for label, k, mode in columns:
+                    if k == kind:
+                        results[label][c] = run_mode(args, host, port, mode, c, min(n, MAX_REQUESTS))
+                        print(f"  {label:<18} concurrency {c:>2}: {results[label][c]['output_tokens_per_s']:.1f} "
+                              f"tok/s, p95 {results[label][c]['latency_p95_s']:.2f} s", flush=True)  # fmt: skip
+        finally:
+            if server is not None:
+                server.close()
+    for c in levels:
+        report["levels"].append({"concurrency": c, "modes": {label: results[label][c] for label, _, _ in columns}})
     _print(report)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    failed = sum(m["errors"] for m in report["modes"].values())
+    if args.plot:
+        _plot(report, args.plot)
+    failed = sum(m["errors"] for level in report["levels"] for m in level["modes"].values())
     return 1 if failed else 0
 
 
 def _print(report: dict) -> None:
-    print(
-        f"model {report['model']}: {report['requests']} requests per mode, concurrency {report['concurrency']}, "
-        f"max_tokens {report['max_tokens']} (greedy, streamed)"
-    )
+    print(f"model {report['model']}: max_tokens {report['max_tokens']}, {report['dtype']} (greedy, streamed)")
     cols = [
         ("requests/s", "requests_per_s", "{:.3f}"),
         ("out tok/s", "output_tokens_per_s", "{:.1f}"),
@@ -261,10 +314,36 @@ def _print(report: dict) -> None:
         ("τ", "tau_mean", "{:.2f}"),
         ("ok/err", None, None),
     ]
-    print(f"{'mode':<12}" + "".join(f"{c[0]:>13}" for c in cols))
-    for name, m in report["modes"].items():
-        cells = [fmt.format(m[key]) if key else f"{m['completed']}/{m['errors']}" for _, key, fmt in cols]
-        print(f"{name:<12}" + "".join(f"{c:>13}" for c in cells))
+    print(f"{'conc':>4} {'server / mode':<18}" + "".join(f"{c[0]:>13}" for c in cols))
+    for level in report["levels"]:
+        for name, m in level["modes"].items():
+            cells = [fmt.format(m[key]) if key else f"{m['completed']}/{m['errors']}" for _, key, fmt in cols]
+            print(f"{level['concurrency']:>4} {name:<18}" + "".join(f"{c:>13}" for c in cells))
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [lv["concurrency"] for lv in report["levels"]]
+    names = list(report["levels"][0]["modes"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in names:
+        a.plot(levels, [lv["modes"][name]["output_tokens_per_s"] for lv in report["levels"]], "o-", label=name)
+        b.plot(levels, [lv["modes"][name]["latency_p95_s"] for lv in report["levels"]], "o-", label=name)
+    for ax, title in ((a, "output tokens/s (all requests)"), (b, "latency p95 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    a.legend()
+    fig.suptitle(f"{report['model']}, {report['dtype']}, max_tokens {report['max_tokens']}, loopback")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

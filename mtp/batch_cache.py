@@ -125,25 +125,26 @@ class BatchCache(Cache):
 
     def commit(self, accepted: Sequence[Sequence[int]]) -> None:
         """After a verify forward appended N nodes per row at [width, width + N): keep row i's `accepted[i]`
-        (node ids, root first) at [lengths[i], lengths[i] + len(accepted[i])), in path order."""
+        (node ids, root first) at [lengths[i], lengths[i] + len(accepted[i])), in path order.
+
+        One scatter per layer of just the accepted entries (their sum over rows), whatever the rows' lengths.
+        """
         layer0 = self.layers[0]
-        start = layer0.length  # width + N: the forward appended N nodes per row
-        width_before = start - self._appended
-        lo = min(self.lengths)
-        new_lengths = [n + len(a) for n, a in zip(self.lengths, accepted, strict=True)]
-        hi = max(new_lengths)
-        idx = torch.arange(lo, hi).repeat(len(accepted), 1)  # (B, W): default = stay in place
+        width_before = layer0.length - self._appended
+        rows, dst, src = [], [], []
         for i, (n, acc) in enumerate(zip(self.lengths, accepted, strict=True)):
-            idx[i, n - lo : n - lo + len(acc)] = torch.tensor(acc, dtype=torch.long) + width_before
-        idx = idx.to(layer0.keys.device)
+            rows += [i] * len(acc)
+            dst += range(n, n + len(acc))
+            src += [width_before + a for a in acc]
+        device = layer0.keys.device
+        rows_t, dst_t, src_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (rows, dst, src))
         for layer in self.layers:
-            for name in ("keys", "values"):
-                buf = getattr(layer, name)
-                B, H, _, D = buf.shape
-                g = buf[..., :start, :].gather(2, idx[:, None, :, None].expand(B, H, hi - lo, D))
-                buf[..., lo:hi, :] = g
-            layer.length = hi
-        self.lengths = new_lengths
+            for buf in (layer.keys, layer.values):
+                buf[rows_t, :, dst_t] = buf[rows_t, :, src_t]  # the right side is gathered before any write
+        self.lengths = [n + len(a) for n, a in zip(self.lengths, accepted, strict=True)]
+        width = max(self.lengths)
+        for layer in self.layers:
+            layer.length = width
 
     def begin_forward(self, num_nodes: int) -> None:
         """Record how many positions the next forward appends (so `commit` knows where the nodes start)."""

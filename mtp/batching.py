@@ -171,7 +171,11 @@ class BatchDecoder:
         self.half = self.dtype in (torch.bfloat16, torch.float16)
         self.default_tree = model.default_tree
         full = len(self.default_tree)
-        self.budgets = (1, full) if self.half else tuple(n for n in LADDER if n <= full)
+        # Node budgets the plan chooses from. Half precision alone (batch 1) switches the full default tree on or
+        # off, as generate() does (a ~16-node verify costs about one decode step there, so smaller trees only
+        # lose tokens); with company, smaller trees can pay where the full one no longer does.
+        self.budgets = tuple(n for n in LADDER if n <= full) if not self.half else (1, 4, 8, full)
+        self.budgets_alone = (1, full) if self.half else self.budgets
         # A fixed tree (`tree=`: a Tree, rank paths, a node count, "default" or "chain"): every speculating row
         # verifies it at every step, whatever the load; None: the load-aware plan.
         self.fixed_tree = None
@@ -377,7 +381,7 @@ class BatchDecoder:
                 r.trees.clear()
         cost, B = self.cost, len(self.rows)
         best, best_rate = 1, len(self.rows) / cost.forward(B)
-        for n in self.budgets[1:]:
+        for n in sorted(set(self.budgets if B > 1 else self.budgets_alone) - {1}):
             expected = sum(self._tree(r, n)[1] for r in self.rows)
             seconds = cost.forward(B * n) + cost.draft_seconds * len(spec)
             rate = expected / seconds

@@ -540,12 +540,13 @@ def test_load_script_reports_figures_with_and_without_speculation(served, tmp_pa
     )
     assert res.returncode == 0, res.stderr
     report = json.loads(out.read_text())
-    assert set(report["modes"]) == {"speculative", "plain"}
-    for mode in report["modes"].values():
+    (level,) = report["levels"]
+    assert level["concurrency"] == 2 and set(level["modes"]) == {"mtp-speculative", "mtp-plain"}
+    for mode in level["modes"].values():
         assert mode["completed"] == 4 and mode["errors"] == 0
         assert mode["requests_per_s"] > 0 and 0 < mode["ttft_p50_s"] <= mode["latency_p50_s"]
         assert mode["latency_p50_s"] <= mode["latency_p95_s"]
-    assert report["modes"]["plain"]["tau_mean"] == 1.0
+    assert level["modes"]["mtp-plain"]["tau_mean"] == 1.0
     assert "requests/s" in res.stdout
 
 
