@@ -12,6 +12,7 @@ requests of that batch with an error and the worker carries on with a fresh deco
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import secrets
@@ -24,7 +25,7 @@ import torch
 
 from mtp.batching import BatchDecoder, RowUpdate
 
-from .engine import FinishEvent, GenerationCancelled, ModelRunner, _RequestStreamer
+from .engine import Event, FinishEvent, GenerationCancelled, ModelRunner, _RequestStreamer
 from .metrics import SpecDecodingStats
 from .scheduler import Job, QueueFull, ShuttingDown
 
@@ -62,6 +63,10 @@ class BatchScheduler:
         self.decoder = self._make()
         self._incoming: collections.deque[Job] = collections.deque()
         self._live: dict[int, _Live] = {}
+        # Events of one step, delivered to the event loop in one wake-up (not one per token per request: with
+        # two cores, every wake-up of the loop thread takes a core from the model's threads).
+        self._outbox: list[tuple[Job, Event]] = []
+        self._outbox_lock = threading.Lock()
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="mtp-batch-worker", daemon=True)
@@ -105,6 +110,7 @@ class BatchScheduler:
         for job in incoming:
             job.cancel()
             self._finish(job, FinishEvent("abort", 0, error="server shutting down", t=time.perf_counter()))
+        self._flush()
         for live in list(self._live.values()):
             live.job.cancel()
         self._thread.join(timeout)
@@ -124,6 +130,7 @@ class BatchScheduler:
                 self._incoming.clear()
             for job in incoming:
                 self._admit(job)
+            self._flush()
             for rid, live in self._live.items():
                 if live.job.cancelled.is_set() and not live.stopped:
                     self.decoder.cancel(rid)
@@ -134,11 +141,13 @@ class BatchScheduler:
             except Exception as e:  # never let one batch take the worker down
                 logger.exception("decode step failed")
                 self._fail_all(f"{type(e).__name__}: {e}")
+                self._flush()
                 continue
             if self.on_step is not None and self.decoder.last_batch_size:
                 self.on_step(self.decoder.last_batch_size, self.decoder.last_forward_tokens)
             for update in updates:
                 self._deliver(update)
+            self._flush()
 
     def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -161,7 +170,7 @@ class BatchScheduler:
             self.on_start(job)
         live = _Live(job, None)  # type: ignore[arg-type]
         live.streamer = _RequestStreamer(
-            self.runner._decoder, p, self.runner.eos, job.emit, job.cancelled, lambda: live.step
+            self.runner._decoder, p, self.runner.eos, lambda e: self._post(job, e), job.cancelled, lambda: live.step
         )
         live.streamer.saw_prompt = True
         self._live[rid] = live
@@ -217,7 +226,31 @@ class BatchScheduler:
                 self.on_finish(job, finish)
             except Exception:
                 logger.exception("on_finish hook failed")
-        job.emit(finish)
+        self._post(job, finish)
+
+    def _post(self, job: Job, event: Event) -> None:
+        job.record(event)
+        with self._outbox_lock:
+            self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        """Hand the queued events to their event loops, one call per loop."""
+        with self._outbox_lock:
+            items, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+        for job, event in items:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                for job, _ in batch:
+                    job.cancel()
+
+
+def _put_all(batch: list[tuple[Job, Event]]) -> None:
+    for job, event in batch:
+        job.events.put_nowait(event)
 
 
 def _shown_steps(update: RowUpdate, steps: list[int | None]) -> tuple[list[int], list[int]]:

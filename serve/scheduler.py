@@ -57,13 +57,17 @@ class Job:
 
     def emit(self, event: Event) -> None:
         """Called from the worker thread."""
-        if isinstance(event, TokenEvent):
-            self.token_times.append(event.t)
-            self.token_steps.append(event.step)
+        self.record(event)
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancelled.set()
+
+    def record(self, event: Event) -> None:
+        """The worker-side bookkeeping of an event (token times for the metrics), without delivering it."""
+        if isinstance(event, TokenEvent):
+            self.token_times.append(event.t)
+            self.token_steps.append(event.step)
 
     def cancel(self) -> None:
         self.cancelled.set()
