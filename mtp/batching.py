@@ -146,7 +146,8 @@ class BatchDecoder:
 
     max_batch_size: rows decoded together; max_kv_tokens: KV budget in token positions for the padded batch
     (rows x the longest row's prompt + max_new_tokens + tree); a request that does not fit waits (never OOM):
-    the cache holds at most max_kv_tokens x `kv_bytes_per_token` bytes.
+    the cache holds at most max_kv_tokens x `kv_bytes_per_token` bytes. guard: check the plan against the
+    measured speed of batches (see `_guard`); off, the plan depends on the cost curve and the text alone.
     """
 
     def __init__(
@@ -160,12 +161,13 @@ class BatchDecoder:
         probe_every: int = 16,
         replan_every: int = 4,
         tree=None,
+        guard: bool = True,
     ):
         self.model, self.info = model, model.info
         self.base = model.base_model
         self.max_batch_size, self.max_kv_tokens = max_batch_size, max_kv_tokens
         self.prefill_chunk, self.prompt_lookup = prefill_chunk, prompt_lookup
-        self.probe_every, self.replan_every = probe_every, replan_every
+        self.probe_every, self.replan_every, self.guard = probe_every, replan_every, guard
         param = next(self.base.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.half = self.dtype in (torch.bfloat16, torch.float16)
@@ -188,6 +190,8 @@ class BatchDecoder:
         self.waiting: collections.deque[_Row] = collections.deque()
         self._next_id = 0
         self._steps = 0
+        # Measured tokens/s of decode steps per (batch size, speculated?), for the guard in `_plan` (batches only).
+        self._rate: dict[tuple[int, bool], float] = {}
         self.last_forward_tokens = 0  # tokens (real + padding) in the last batched forward, for metrics
         self.last_batch_size = 0
         decoder = self.base.get_decoder() if hasattr(self.base, "get_decoder") else self.base
@@ -389,11 +393,29 @@ class BatchDecoder:
             # per-row work the curve leaves out (verify, KV commit, catching the drafter up) grows with the rows.
             if rate > best_rate * (1.02 if B == 1 else 1.1):
                 best, best_rate = n, rate
+        if best > 1 and B > 1 and self.guard:
+            best = self._guard(B, best)
         return best
+
+    def _guard(self, B: int, budget: int) -> int:
+        """With company, never keep speculating at a batch size where it measured slower than plain decoding.
+
+        The cost curve leaves out per-row work that grows with the batch; so at B > 1 the plan is checked
+        against what steps of this batch size actually delivered (tokens per second, speculating or not), with
+        a plain step now and then to keep that measure fresh and a speculative retry now and then so a text
+        that became predictable gets its chance back. A lone request is never timed (its output stays
+        independent of the machine's load)."""
+        spec, plain = self._rate.get((B, True)), self._rate.get((B, False))
+        if plain is None or self._steps % self.probe_every == 0:
+            return 1
+        if spec is not None and spec < plain and self._steps % (4 * self.probe_every) != 1:
+            return 1
+        return budget
 
     # ---- decoding -------------------------------------------------------------------------------------
 
     def _decode(self, updates: list[RowUpdate]) -> None:
+        t0 = time.perf_counter()
         self._steps += 1
         budget = self._plan()
         probe = budget == 1 and self._steps % self.probe_every == 0
@@ -435,7 +457,7 @@ class BatchDecoder:
             accepted_all.append(accepted)
             bonuses.append(bonus)
         self.cache.commit(accepted_all)
-        finished = []
+        finished, step_tokens = [], 0
         for i, (row, tree, draft, accepted, bonus) in enumerate(
             zip(self.rows, trees, drafts, accepted_all, bonuses, strict=True)
         ):
@@ -450,6 +472,7 @@ class BatchDecoder:
                     break
             row.lengths.append(len(emitted))
             row.drafted.append(len(tree) - 1)
+            step_tokens += len(emitted)
             updates.append(RowUpdate(row.rid, emitted, len(row.lengths) - 1))
             if done:
                 finished.append(i)
@@ -462,6 +485,10 @@ class BatchDecoder:
             if row.proposer is not None:
                 acc = torch.tensor(accepted, device=self.device)
                 row.proposer.observe(hidden[i, acc], draft[acc])
+        if B > 1:
+            key = (B, budget > 1)
+            rate = step_tokens / max(time.perf_counter() - t0, 1e-9)
+            self._rate[key] = rate if key not in self._rate else 0.8 * self._rate[key] + 0.2 * rate
         if finished:
             self._keep([i for i in range(len(self.rows)) if i not in set(finished)])
 

@@ -73,7 +73,7 @@ def test_rows_of_different_lengths_joining_mid_run_match_generate(arch):
     held_out = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (2, 9, 15)]
     prompts = train + held_out
     max_new = [40, 25, 48, 33, 20, 41, 30]
-    engine = BatchDecoder(model, max_batch_size=4, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, max_batch_size=4, cost=CHEAP_TREES)
     outs, finish = run(engine, prompts, max_new, join_at=[0, 0, 2, 5, 5, 11, 30])
     for p, m, o in zip(prompts, max_new, outs, strict=True):
         assert o == solo(model, p, m), (arch, p)
@@ -93,7 +93,7 @@ def test_rows_of_different_lengths_joining_mid_run_match_generate(arch):
 )
 def test_sliding_windows_match_generate(arch, overrides):
     model, train = fitted_model(arch, **overrides)
-    engine = BatchDecoder(model, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, cost=CHEAP_TREES)
     outs, _ = run(engine, train, 40, join_at=[0, 1, 1, 4])
     for p, o in zip(train, outs, strict=True):
         assert o == solo(model, p, 40)
@@ -102,12 +102,12 @@ def test_sliding_windows_match_generate(arch, overrides):
 def test_eos_and_max_new_tokens_inside_accepted_runs():
     model, train = fitted_model("llama")
     ref = [solo(model, p, 40) for p in train]
-    engine = BatchDecoder(model, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, cost=CHEAP_TREES)
     outs, finish = run(engine, train, 40)
     # Each row stops at its own EOS, chosen as a token in the middle of its reference continuation
     eos = [r[len(r) // 2] for r in ref]
     per_row = [dict(eos_token_id=e) for e in eos]
-    engine = BatchDecoder(model, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, cost=CHEAP_TREES)
     outs, finish = run(engine, train, 40, per_row=per_row)
     for p, r, e, o in zip(train, ref, eos, outs, strict=True):
         assert o == solo(model, p, 40, eos_token_id=e)
@@ -117,7 +117,7 @@ def test_eos_and_max_new_tokens_inside_accepted_runs():
     lengths = finish[0].accepted_lengths
     assert max(lengths) >= 3
     cut = 1 + lengths[0] + 1  # prefill token + first step + one token into the second
-    outs, finish = run(BatchDecoder(model, cost=CHEAP_TREES), train, cut)
+    outs, finish = run(BatchDecoder(model, guard=False, cost=CHEAP_TREES), train, cut)
     for p, o in zip(train, outs, strict=True):
         assert o == solo(model, p, cut)
     assert all(f.finish_reason == "length" for f in finish.values())
@@ -125,7 +125,7 @@ def test_eos_and_max_new_tokens_inside_accepted_runs():
 
 def test_cancelled_row_frees_its_place_and_others_are_unaffected():
     model, train = fitted_model("qwen2")
-    engine = BatchDecoder(model, max_batch_size=3, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, max_batch_size=3, cost=CHEAP_TREES)
     outs, finish = run(engine, train, 40, cancel_at={1: 3})
     assert finish[1].finish_reason == "abort" and 0 < len(outs[1]) < 40
     assert outs[1] == solo(model, train[1], 40)[: len(outs[1])]
@@ -136,7 +136,7 @@ def test_cancelled_row_frees_its_place_and_others_are_unaffected():
 
 def test_plain_rows_beside_speculative_ones():
     model, train = fitted_model("gpt2")
-    engine = BatchDecoder(model, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, cost=CHEAP_TREES)
     per_row = [dict(speculative=i % 2 == 0) for i in range(len(train))]
     outs, finish = run(engine, train, 36, per_row=per_row)
     for i, (p, o) in enumerate(zip(train, outs, strict=True)):
@@ -152,7 +152,7 @@ def test_load_aware_plan_becomes_plain_batched_decoding_when_compute_bound():
     per row (plain batched decoding); with cheap trees the same batch speculates."""
     model, train = fitted_model("llama")
     for cost, speculates in ((LINEAR, False), (CHEAP_TREES, True)):
-        engine = BatchDecoder(model, cost=cost, prompt_lookup=False, probe_every=10**9)
+        engine = BatchDecoder(model, guard=False, cost=cost, prompt_lookup=False, probe_every=10**9)
         outs, finish = run(engine, train, 30)
         assert [o == solo(model, p, 30) for p, o in zip(train, outs, strict=True)] == [True] * 4
         drafted = sum(sum(f.draft_tokens) for f in finish.values())
@@ -164,11 +164,11 @@ def test_plan_prefers_speculation_for_one_row_and_plain_for_a_full_batch():
     drafts the full tree; 64 rows (a compute-bound forward) do not."""
     model, train = fitted_model("llama")
     cost = StepCost(tokens=(1, 16, 64, 1024), seconds=(1.0, 1.1, 3.5, 56.0), draft_seconds=0.15)
-    one = BatchDecoder(model, cost=cost)
+    one = BatchDecoder(model, guard=False, cost=cost)
     one.add(train[1], 20)
     one.step()
     assert one._plan() > 1
-    many = BatchDecoder(model, cost=cost, max_batch_size=64)
+    many = BatchDecoder(model, guard=False, cost=cost, max_batch_size=64)
     for _ in range(64):
         many.add(train[1], 20)
     many.step()
@@ -177,16 +177,16 @@ def test_plan_prefers_speculation_for_one_row_and_plain_for_a_full_batch():
 
 def test_kv_budget_makes_requests_wait_and_rejects_what_never_fits():
     model, train = fitted_model("llama")
-    probe = BatchDecoder(model, cost=CHEAP_TREES)
+    probe = BatchDecoder(model, guard=False, cost=CHEAP_TREES)
     probe.add(train[-1], 40)
     footprint = probe._footprint(probe.waiting[0])  # prompt + max_new + tree + margin, in positions
     budget = 3 * footprint + 1  # three rows of the longest prompt fit, four do not
-    engine = BatchDecoder(model, max_kv_tokens=budget, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, max_kv_tokens=budget, cost=CHEAP_TREES)
     with pytest.raises(ValueError, match="KV budget"):
         engine.add(list(range(3, 3 + budget)), 40)
     outs, _ = run(engine, train, 40)
     assert [o == solo(model, p, 40) for p, o in zip(train, outs, strict=True)] == [True] * 4
-    engine = BatchDecoder(model, max_kv_tokens=budget, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, max_kv_tokens=budget, cost=CHEAP_TREES)
     for p in reversed(train):
         engine.add(p, 40)
     engine.step()
@@ -197,7 +197,7 @@ def test_long_prompt_prefilled_in_chunks_while_others_decode():
     model, train = fitted_model("llama")
     g = torch.Generator().manual_seed(9)
     long = torch.randint(3, VOCAB, (60,), generator=g).tolist()
-    engine = BatchDecoder(model, prefill_chunk=16, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, prefill_chunk=16, cost=CHEAP_TREES)
     outs, _ = run(engine, [train[0], long], 30, join_at=[0, 2])
     assert outs[0] == solo(model, train[0], 30)
     assert outs[1] == solo(model, long, 30)
@@ -205,7 +205,7 @@ def test_long_prompt_prefilled_in_chunks_while_others_decode():
 
 def test_bad_input_is_a_clear_error():
     model, _ = fitted_model("gpt2")
-    engine = BatchDecoder(model, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, cost=CHEAP_TREES)
     with pytest.raises(ValueError, match="empty"):
         engine.add([], 4)
     with pytest.raises(ValueError, match="token ids"):
@@ -240,7 +240,7 @@ def test_batch_cache_commit_moves_each_rows_accepted_path():
 def test_sampled_rows_keep_generates_distribution(peaked_model):  # noqa: F811
     """1,500 seeded rows decoded 50 at a time: the joint law of their first 3 tokens is generate()'s."""
     joint = exact_joint(peaked_model.base_model, temperature=1.0)
-    engine = BatchDecoder(peaked_model, max_batch_size=50, cost=FLAT)
+    engine = BatchDecoder(peaked_model, guard=False, max_batch_size=50, cost=FLAT)
     prompt = PROMPT[0].tolist()
     ids = [
         engine.add(prompt, NEW, do_sample=True, temperature=1.0, generator=torch.Generator().manual_seed(1000 + i))
@@ -263,7 +263,7 @@ def test_sampled_rows_keep_generates_distribution(peaked_model):  # noqa: F811
 
 def test_generate_batch_helper():
     model, train = fitted_model("llama")
-    outs = generate_batch(model, train, 20, decoder=BatchDecoder(model, cost=CHEAP_TREES))
+    outs = generate_batch(model, train, 20, decoder=BatchDecoder(model, guard=False, cost=CHEAP_TREES))
     assert outs == [solo(model, p, 20) for p in train]
 
 
@@ -273,3 +273,20 @@ def test_step_cost_measures_and_interpolates():
     assert len(cost.seconds) == 3 and all(s > 0 for s in cost.seconds) and cost.draft_seconds > 0
     c = StepCost((1, 10), (1.0, 2.0), 0.0)
     assert c.forward(1) == 1.0 and c.forward(5.5) == pytest.approx(1.5) and c.forward(19) == pytest.approx(3.0)
+
+
+def test_guard_stops_speculating_at_a_batch_size_where_it_measured_slower():
+    """The cost curve says speculate; the measured speed of 4-row batches says plain is faster: plain it is,
+    except for the periodic retry; measured the other way round, the plan stands."""
+    model, train = fitted_model("llama")
+    engine = BatchDecoder(model, cost=CHEAP_TREES, probe_every=10**6)
+    for p in train:
+        engine.add(p, 40)
+    engine.step()
+    assert len(engine.rows) == 4
+    engine._steps, engine._rate = 5, {}
+    assert engine._plan() == 1  # no measurement of plain 4-row steps yet: measure it first
+    engine._rate = {(4, False): 100.0, (4, True): 50.0}
+    assert engine._plan() == 1
+    engine._rate = {(4, False): 50.0, (4, True): 100.0}
+    assert engine._plan() > 1
