@@ -46,6 +46,8 @@ class ServeConfig:
     max_queue: int = 64
     max_batch_size: int = 16  # requests decoded together (continuous batching)
     max_kv_tokens: int = 65536  # KV-cache budget in token positions for the padded batch
+    # True: the caller runs `app.state.scheduler.run()` on its own (main) thread and the HTTP server elsewhere
+    engine_on_caller: bool = False
     smooth_streaming: bool = True
     default_speculative: bool = True  # for requests that do not say (`"speculative": true|false`)
     max_pacing_gap: float = 0.05  # seconds; longest pause pacing inserts between two tokens
@@ -54,7 +56,11 @@ class ServeConfig:
 
 def create_app(runner: ModelRunner, config: ServeConfig) -> FastAPI:
     scheduler = BatchScheduler(
-        runner, max_queue=config.max_queue, max_batch_size=config.max_batch_size, max_kv_tokens=config.max_kv_tokens
+        runner,
+        max_queue=config.max_queue,
+        max_batch_size=config.max_batch_size,
+        max_kv_tokens=config.max_kv_tokens,
+        own_thread=not config.engine_on_caller,
     )
     metrics = ServerMetrics(
         config.model_name, running=lambda: scheduler.num_running, waiting=lambda: scheduler.num_waiting

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import typer
@@ -87,6 +88,7 @@ def serve(
             speculation,
         )
     config = ServeConfig(
+        engine_on_caller=True,
         model_name=served_model_name or loaded.name,
         max_context=context,
         api_key=api_key or None,
@@ -108,7 +110,18 @@ def serve(
             access_log=log_level == "debug",
         )
     )
-    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal so outer handlers run.
-    # Ours turns that into exit status 0: the shutdown was graceful, not a crash.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    server.run()
+
+    # The model runs on this (main) thread, HTTP on another: torch's element-wise kernels use one core only
+    # outside the main thread here (see BatchScheduler.run). SIGTERM/SIGINT start uvicorn's graceful shutdown
+    # (stop accepting, let running requests finish, then the app's shutdown stops the decode loop); the exit
+    # status is 0: the shutdown was graceful, not a crash.
+    def _exit(signum, frame) -> None:
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGINT, _exit)
+    http = threading.Thread(target=server.run, name="mtp-http", daemon=True)
+    http.start()
+    app.state.scheduler.run(alive=http.is_alive)
+    http.join(shutdown_timeout + 10)
+    sys.exit(0 if server.started else 1)
