@@ -4,8 +4,8 @@
 
 Every 5th request hangs up after its first token, every 7th is malformed (bad JSON or a prompt longer than the
 context); the rest are streamed greedy chat completions. Reported: completed / aborted / refused counts, whether
-every well-formed answer arrived complete, and the server's resident memory (RSS) after a warm-up and at the end:
-with nothing leaking it stays flat. Bounded (at most 1,000 requests) and loopback only.
+every well-formed answer arrived complete, and the server's resident memory (RSS) after a warm-up and after every
+40 requests: with nothing leaking it stays flat. Bounded (at most 1,000 requests) and loopback only.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _one(port: int, model: str, i: int, max_tokens: int) -> str:
             "temperature": 0,
             "stream": True,
         }
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
             return "unexpected"
@@ -80,9 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         counts: dict[str, int] = {}
         rss = []
         t0 = time.perf_counter()
+        chunks = [(0, warm)] + [(a, min(a + 40, args.requests)) for a in range(warm, args.requests, 40)]
         with ThreadPoolExecutor(args.concurrency) as pool:
-            for start, stop in ((0, warm), (warm, args.requests)):
-                for r in pool.map(lambda i: _one(server.port, server.model_name, i, args.max_tokens), range(start, stop)):
+            for start, stop in chunks:
+
+                def one(i: int) -> str:
+                    return _one(server.port, server.model_name, i, args.max_tokens)
+
+                for r in pool.map(one, range(start, stop)):
                     counts[r] = counts.get(r, 0) + 1
                 time.sleep(1.0)  # let aborted rows be dropped before reading memory
                 rss.append(_rss_mb(server.proc.pid))
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_after_warmup_mb": round(rss[0], 1),
         "rss_at_end_mb": round(rss[-1], 1),
         "rss_growth_mb": round(rss[-1] - rss[0], 1),
+        "rss_mb_after_each_chunk": [round(x, 1) for x in rss],  # warm-up, then every 40 requests
         "server_alive": alive,
         "wall_s": round(wall, 1),
     }

@@ -26,6 +26,7 @@ the load chose, so a seed reproduces a request's tokens only under the same batc
 from __future__ import annotations
 
 import collections
+import ctypes
 import inspect
 import time
 from collections.abc import Sequence
@@ -491,6 +492,8 @@ class BatchDecoder:
             self._rate[key] = rate if key not in self._rate else 0.8 * self._rate[key] + 0.2 * rate
         if finished:
             self._keep([i for i in range(len(self.rows)) if i not in set(finished)])
+            if not self.has_work:
+                _trim_heap()
 
     def _score(self, trees: list[Tree], drafts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over every row's tree. Returns logits of the real nodes, concatenated row after row
@@ -562,6 +565,15 @@ class BatchDecoder:
         head_dim = getattr(config, "head_dim", None) or (hidden // max(1, getattr(config, "num_attention_heads", None)
                                                                        or getattr(config, "n_head", 1)))  # fmt: skip
         return 2 * int(layers) * int(heads) * int(head_dim) * element_size
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc) when the batch empties: KV buffers of every size come and go
+    with the rows, and without a trim the process keeps the fragmented pages (RSS creeps up under load)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def generate_batch(

@@ -489,7 +489,8 @@ def test_disconnect_and_bad_input_under_load_leave_the_other_rows_exact(served):
     jobs = [(words(ids), served.expected(ids, 30)[1]) for ids in served.prompts]
 
     def call(prompt: str) -> str:
-        return served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0).choices[0].text
+        resp = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+        return resp.choices[0].text
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(call, p) for p, _ in jobs]
