@@ -91,14 +91,20 @@ def export_command(
     assistant: bool = typer.Option(
         False, "--assistant", help="The run trained a draft model (head_type draft_lm): write a plain HF checkpoint."
     ),
+    to: str = typer.Option(
+        "mtp",
+        "--to",
+        help="mtp (our layout) | vllm (a model dir vLLM serves; see docs/vllm.md). SOURCE may also "
+        "be an MTP checkpoint dir, e.g. mtp/assets/smollm2-135m-instruct-heads.",
+    ),
 ) -> None:
-    """Write a servable MTP checkpoint (MTPModel.from_pretrained) from a training run."""
+    """Write a servable MTP checkpoint (MTPModel.from_pretrained) from a training run, or a vLLM one (--to vllm)."""
     from .export import export
 
     try:
         path = export(
             source, out, merge_lora=merge_lora, heads_only=heads_only, dtype=dtype,
-            draft_vocab=draft_vocab, draft_data=draft_data, assistant=assistant,
+            draft_vocab=draft_vocab, draft_data=draft_data, assistant=assistant, to=to,
         )  # fmt: skip
     except USER_ERRORS as e:
         raise typer.Exit(code=_error(str(e))) from e

@@ -28,11 +28,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_only: bool = False,
            dtype: str = "float32", draft_vocab: int = 0, draft_data: str | Path | None = None,
-           assistant: bool = False) -> Path:  # fmt: skip
+           assistant: bool = False, to: str = "mtp") -> Path:  # fmt: skip
     """`draft_vocab` > 0: the heads draft only from the that many most frequent tokens of `draft_data`
     (a `mtp distill` output or any `save_to_disk` dataset with `input_ids`; see mtp.draft_vocab).
-    `assistant`: the run trained a `draft_lm`; write it as a plain HF checkpoint for assisted generation."""
+    `assistant`: the run trained a `draft_lm`; write it as a plain HF checkpoint for assisted generation.
+    `to="vllm"`: write the heads in vLLM's format for their head type instead (mtp.export_vllm)."""
     source, out = Path(source), Path(out)
+    if to not in ("mtp", "vllm"):
+        raise ValueError(f"--to must be mtp or vllm, got {to!r}")
+    if to == "vllm" and (heads_only or assistant):
+        raise ValueError("--to vllm writes a whole model directory; --heads-only and --assistant do not apply")
     if draft_vocab and draft_data is None:
         raise ValueError("--draft-vocab needs --draft-data: the token ids to count (e.g. the mtp distill output)")
     if dtype not in DTYPES:
@@ -50,6 +55,8 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_
     if merge_lora and not has_adapter:
         raise ValueError(f"--merge-lora given but {source} has no {ADAPTER_DIR}/ (a Medusa-1 run?)")
     model, tokenizer = _load(source, has_adapter, DTYPES[dtype])
+    if to == "vllm":
+        return _export_vllm(model, tokenizer, out, dtype, draft_vocab, draft_data)
     is_draft = model.config.head_type == "draft_lm"
     if assistant and not is_draft:
         raise ValueError(f"--assistant exports a draft model (heads.head_type: draft_lm); this run trained "
@@ -67,6 +74,19 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_
     if draft_vocab:
         model.set_draft_vocab(_draft_vocab(Path(draft_data), draft_vocab, model, tokenizer))
     return model.save_pretrained(out, heads_only=heads_only)
+
+
+def _export_vllm(model: MTPModel, tokenizer: Any, out: Path, dtype: str, draft_vocab: int,
+                 draft_data: str | Path | None) -> Path:  # fmt: skip
+    from mtp.export_vllm import export_vllm
+
+    if draft_vocab:
+        model.set_draft_vocab(_draft_vocab(Path(draft_data), draft_vocab, model, tokenizer))
+    result = export_vllm(model, out, dtype=dtype, tokenizer=tokenizer)
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"serve it with: {result.serve_command()}")
+    return result.path
 
 
 def _export_assistant(model: MTPModel, tokenizer: Any, out: Path) -> Path:
