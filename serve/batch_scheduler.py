@@ -84,8 +84,7 @@ class BatchScheduler:
         with self._cond:
             if self._closed:
                 raise ShuttingDown
-            live = sum(1 for j in self._incoming if not j.cancelled.is_set()) + self.decoder.num_waiting
-            if live >= self.max_queue:
+            if self._waiting_locked() >= self.max_queue:
                 raise QueueFull
             self._incoming.append(job)
             self._cond.notify()
@@ -93,7 +92,11 @@ class BatchScheduler:
     @property
     def num_waiting(self) -> int:
         with self._cond:
-            return sum(1 for j in self._incoming if not j.cancelled.is_set()) + self.decoder.num_waiting
+            return self._waiting_locked()
+
+    def _waiting_locked(self) -> int:
+        """Jobs not yet decoding (handed over or not); those whose clients already left hold no place."""
+        return sum(1 for j in self._incoming if not j.cancelled.is_set()) + self.decoder.num_waiting
 
     @property
     def num_running(self) -> int:
