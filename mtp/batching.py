@@ -37,6 +37,7 @@ import torch
 from .adaptive import LADDER, AdaptiveDraft
 from .batch_cache import BatchCache
 from .decoding import GreedyStrategy, SamplingStrategy, resolve_stopping
+from .eagle import select_features
 from .kv_cache import new_cache
 from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows
 from .sampling import SamplingParams
@@ -94,7 +95,8 @@ class StepCost:
                 seconds.append(best)
             proposer = model.make_proposer()
             m = min(64, context - 1)
-            hidden = base(input_ids=prompt[:, :m], output_hidden_states=True).hidden_states[-1][0]
+            states = base(input_ids=prompt[:, :m], output_hidden_states=True).hidden_states
+            hidden = select_features(states, getattr(proposer, "feature_layers", None))[0]
             proposer.begin(hidden, prompt[0, :m])
             tree, root = model.default_tree, int(prompt[0, m])
             proposer.propose(root, tree)  # warm-up (first call builds plans)
@@ -315,6 +317,8 @@ class BatchDecoder:
             row = self.prefilling[0]
             if row.solo_cache is None:
                 row.solo_cache = new_cache()
+                if row.speculative:  # made now: its `feature_layers` say what the prefill hands it
+                    row.proposer = self.model.make_proposer()
             remaining = len(row.prompt) - row.prefilled
             # A prompt that fits in one chunk is prefilled in one forward, as generate() does; a longer one is
             # split so the running rows get a step between its chunks.
@@ -326,7 +330,8 @@ class BatchDecoder:
             if self.info.logits_to_keep:
                 kwargs["logits_to_keep"] = 1
             out = self.base(input_ids=ids, use_cache=True, output_hidden_states=True, **kwargs)
-            row.hidden_parts.append(out.hidden_states[-1][0])
+            if row.proposer is not None:
+                row.hidden_parts.append(select_features(out.hidden_states, row.proposer.feature_layers)[0])
             row.prefilled += n
             budget -= n
             if row.prefilled < len(row.prompt):
@@ -334,8 +339,7 @@ class BatchDecoder:
             self.prefilling.popleft()
             token = row.strategy.first(out.logits[0, -1])
             row.out.append(token)
-            hidden = torch.cat(row.hidden_parts) if len(row.hidden_parts) > 1 else row.hidden_parts[0]
-            row.hidden_parts = []
+            parts, row.hidden_parts = row.hidden_parts, []
             done = token in row.eos or len(row.out) >= row.max_new
             updates.append(RowUpdate(row.rid, [token], None))
             if done:
@@ -343,7 +347,7 @@ class BatchDecoder:
                 row.solo_cache = None
                 continue
             if row.speculative:
-                row.proposer = self.model.make_proposer()
+                hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
                 row.proposer.begin(hidden, torch.tensor(row.prompt, device=self.device))
                 row.policy = AdaptiveDraft(
                     self.model.config.num_heads, len(self.default_tree), self.model.config.head_accuracies,
@@ -447,7 +451,7 @@ class BatchDecoder:
             trees.append(tree)
             drafts.append(draft)
             qs.append(q)
-        logits, hidden = self._score(trees, drafts)
+        logits, hidden = self._score(trees, drafts)  # hidden: the features each proposer observes, by layers
         accepted_all, bonuses = [], []
         offset = 0
         for row, tree, draft, q in zip(self.rows, trees, drafts, qs, strict=True):
@@ -485,7 +489,7 @@ class BatchDecoder:
                 row.ngram.observe(new)
             if row.proposer is not None:
                 acc = torch.tensor(accepted, device=self.device)
-                row.proposer.observe(hidden[i, acc], draft[acc])
+                row.proposer.observe(hidden[row.proposer.feature_layers][i, acc], draft[acc])
         if B > 1:
             key = (B, budget > 1)
             rate = step_tokens / max(time.perf_counter() - t0, 1e-9)
@@ -495,9 +499,12 @@ class BatchDecoder:
             if not self.has_work:
                 _trim_heap()
 
-    def _score(self, trees: list[Tree], drafts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _score(
+        self, trees: list[Tree], drafts: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[tuple[int, ...] | None, torch.Tensor]]:
         """One forward over every row's tree. Returns logits of the real nodes, concatenated row after row
-        (sum of tree sizes, V), and hidden states (B, N, d) padded."""
+        (sum of tree sizes, V), and per `feature_layers` of the rows' proposers (None: the final hidden
+        state) the features (B, N, d | n*d) padded."""
         B, N = len(trees), max(len(t) for t in trees)
         width = self.cache.width
         lengths = torch.tensor(self.cache.lengths, device=self.device)
@@ -526,19 +533,23 @@ class BatchDecoder:
             mask = {"full_attention": mask, "sliding_attention": slid} if self.info.mixed_layer_types else slid
         self.cache.begin_forward(N)
         self.last_forward_tokens, self.last_batch_size = B * N, B
+        wanted = {row.proposer.feature_layers for row in self.rows if row.proposer is not None} | {None}
         if self._decoder is not None:
+            # the decoder alone: its states only when some row's proposer reads inner layers (EAGLE)
+            states = {"output_hidden_states": True} if len(wanted) > 1 else {}
             out = self._decoder(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                **{self._decoder_cache_kwarg: self.cache},
+                **states, **{self._decoder_cache_kwarg: self.cache},
             )  # fmt: skip
-            hidden = out.last_hidden_state
-            logits = self.base.get_output_embeddings()(hidden[real])
+            last = out.last_hidden_state
+            logits = self.base.get_output_embeddings()(last[real])
         else:
             out = self.base(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 output_hidden_states=True, **{self.info.cache_kwarg: self.cache},
             )  # fmt: skip
-            hidden, logits = out.hidden_states[-1], out.logits[real]
+            last, logits = out.hidden_states[-1], out.logits[real]
+        hidden = {layers: last if layers is None else select_features(out.hidden_states, layers) for layers in wanted}
         return logits, hidden
 
     def _additive(self, allowed: torch.Tensor, neg: float) -> torch.Tensor:

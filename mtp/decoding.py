@@ -25,6 +25,7 @@ from torch import nn
 
 from .adaptive import AdaptiveDraft
 from .arch import BaseInfo
+from .eagle import select_features
 from .kv_cache import keep_accepted, new_cache
 from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows, lookup_nodes
 from .proposer import Proposer
@@ -202,8 +203,9 @@ def tree_attention_mask(
 class TreeScorer:
     """Runs the base model over a prefix or a tree and keeps the KV cache consistent."""
 
-    def __init__(self, base_model: nn.Module, info: BaseInfo):
+    def __init__(self, base_model: nn.Module, info: BaseInfo, feature_layers: tuple[int, ...] | None = None):
         self.model, self.info = base_model, info
+        self.feature_layers = feature_layers  # which hidden states the proposer observes (Proposer.feature_layers)
         self.cache = new_cache()
         self.dtype = next(base_model.parameters()).dtype
         self.device = next(base_model.parameters()).device
@@ -217,15 +219,16 @@ class TreeScorer:
         if last_only and self.info.logits_to_keep:
             kwargs["logits_to_keep"] = 1
         out = self.model(input_ids=ids, use_cache=True, output_hidden_states=True, **kwargs)
-        return out.logits[0], out.hidden_states[-1][0]  # (T|1, V), (T, d)
+        return out.logits[0], select_features(out.hidden_states, self.feature_layers)[0]  # (T|1, V), (T, d | n*d)
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt forward with the model's own causal mask. Returns last logits (V,), hidden (T, d)."""
+        """Prompt forward with the model's own causal mask. Returns last logits (V,), the proposer's features
+        (T, d) (or (T, n*d): `feature_layers`)."""
         logits, hidden = self._run(input_ids, last_only=True)
         return logits[-1], hidden
 
     def score(self, draft: torch.Tensor, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over all tree nodes. Returns logits (N, V) and hidden (N, d)."""
+        """One forward over all tree nodes. Returns logits (N, V) and the proposer's features (N, d | n*d)."""
         prefix = self.length
         window = self.info.sliding_window
         mask = tree_attention_mask(tree, prefix, self.dtype, self.device, window)
@@ -258,7 +261,7 @@ def speculative_generate(
     prompt = input_ids[0]
     if max_new_tokens <= 0:
         return GenerateOutput(sequences=input_ids.clone(), prompt_length=input_ids.shape[1])
-    scorer = TreeScorer(base_model, info)
+    scorer = TreeScorer(base_model, info, getattr(proposer, "feature_layers", None))
     if streamer is not None:
         streamer.put(input_ids.cpu())
 

@@ -135,5 +135,5 @@ class MedusaHeads(nn.Module):
 
 
 from . import draft_model as _draft_model  # noqa: E402,F401  (registers head type "draft_lm")
-from . import mtp_modules as _mtp_modules  # noqa: E402,F401  (registers head type "mtp")
 from . import eagle as _eagle  # noqa: E402,F401  (registers head type "eagle")
+from . import mtp_modules as _mtp_modules  # noqa: E402,F401  (registers head type "mtp")

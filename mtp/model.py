@@ -32,6 +32,7 @@ from .decoding import (
     speculative_generate,
 )
 from .draft_vocab import DraftProjection
+from .eagle import select_features
 from .files import share_weights
 from .heads import build_heads
 from .proposer import MedusaProposer, Proposer
@@ -144,7 +145,19 @@ class MTPModel(nn.Module):
 
         Output never changes (the base verifies with its full lm_head); drafting gets cheaper, and a
         draft is lost where the base picks a token outside the set. Saved with the heads.
+
+        Heads with a draft vocabulary of their own (the EAGLE drafter: its `lm_head` over `draft_ids`,
+        trained on exactly those tokens) refuse one here: restricting their drafts again would silently
+        contradict what they were trained to project onto. Set theirs with `model.heads.set_draft_vocab`.
         """
+        own = getattr(self.heads, "draft_ids", None)
+        if token_ids is not None and own is not None:
+            raise ValueError(
+                f"{getattr(self.heads, 'head_type', type(self.heads).__name__)!r} heads draft from their own "
+                f"{own.numel()}-token vocabulary (heads.draft_ids, saved with their weights); a model-level draft "
+                "vocabulary does not apply to them: choose theirs before training, with "
+                "model.heads.set_draft_vocab(ids, base_model) (it copies the base lm_head's rows)"
+            )
         if token_ids is not None:
             token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
             if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.info.vocab_size:
@@ -180,9 +193,11 @@ class MTPModel(nn.Module):
         """Base logits and head logits at every position (for training and evaluation)."""
         out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs)
         hidden = out.hidden_states[-1]
-        head_logits = (
-            self.heads(hidden, self.base_model.get_output_embeddings(), input_ids=input_ids) if with_heads else None
-        )
+        head_logits = None
+        if with_heads:
+            # what the heads observe: the final hidden state, or the fused layer inputs of an EAGLE drafter
+            feats = select_features(out.hidden_states, getattr(self.heads, "feature_layers", None))
+            head_logits = self.heads(feats, self.base_model.get_output_embeddings(), input_ids=input_ids)
         return MTPOutput(logits=out.logits, head_logits=head_logits, hidden_states=hidden)
 
     # ---- decoding -----------------------------------------------------------------------------

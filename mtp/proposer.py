@@ -19,10 +19,20 @@ from .tree import Tree
 
 
 class Proposer:
-    """Base class: subclasses draft one token per tree node."""
+    """Base class: subclasses draft one token per tree node.
+
+    `feature_layers`: which of the base's hidden states `begin`/`observe` receive. None (the default, all
+    heads on the last hidden state): the final hidden state, the input of the lm_head, (.., d). A tuple
+    of layer indices: the inputs of those decoder layers, concatenated, (.., len * d) (`hidden_states[i]`
+    of transformers' `output_hidden_states`; `mtp.eagle.select_features`), for drafters that fuse low,
+    middle and high features (EAGLE-3). The decoders read it to hand over the right features; the
+    verification never depends on it.
+    """
+
+    feature_layers: tuple[int, ...] | None = None
 
     def begin(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
-        """After the prefill. hidden: (T, d) final hidden states of the prompt; tokens: (T,)."""
+        """After the prefill. hidden: (T, d) final hidden states of the prompt (`feature_layers`); tokens: (T,)."""
         raise NotImplementedError
 
     def observe(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
