@@ -1,4 +1,9 @@
-"""`mtp bench`: MT-Bench speed benchmark and the verify-cost curve."""
+"""`mtp bench`: the speed benchmark on MT-Bench and on held-out chat and code prompts, and the verify-cost curve.
+
+MT-Bench is the set the trees and policies were tuned on; the held-out sets (bench/heldout.py: handwritten
+prompts and the ShareGPT tail no training step read) are reported beside it, each with its own plain
+`generate()` reference measured in the same run.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import typer
 # chain, tree: the heads' drafts alone; tree_lookup: + prompt-lookup drafts in the same tree; auto: what
 # `model.generate()` does by default (adaptive tree + lookup).
 ALL_METHODS = "plain,prompt_lookup,assisted,chain,tree,tree_lookup,auto"
+# prompt sets: MT-Bench first turns (--limit), held-out chat and code prompts (--heldout-n, --heldout-source)
+ALL_SETS = "mtbench,heldout-chat,heldout-code"
 
 
 def _cpu_name() -> str:
@@ -28,6 +35,11 @@ def bench(
     model: str = typer.Option("default", help="'default' (SmolLM2 + shipped heads) or an MTP checkpoint dir."),
     heads: str = typer.Option("", help="Heads dir for the default model (default: the shipped heads)."),
     limit: int = typer.Option(80, help="MT-Bench questions (round-robin over categories)."),
+    prompts: str = typer.Option(ALL_SETS, help="Comma-separated prompt sets, each reported apart: " + ALL_SETS),
+    heldout_n: int = typer.Option(24, help="Prompts per held-out set (heldout-chat, heldout-code)."),
+    heldout_source: str = typer.Option(
+        "both", help="Held-out prompts: handwritten | sharegpt | both (alternating; see bench/heldout.py)."
+    ),
     max_new_tokens: int = typer.Option(256),
     dtypes: str = typer.Option("float32,bfloat16", help="Comma-separated dtypes."),
     methods: str = typer.Option(ALL_METHODS, help="Comma-separated subset of: " + ALL_METHODS),
@@ -47,28 +59,35 @@ def bench(
         0.0, help="> 0: also time sampled decoding at this temperature (plain vs ours, lossless; τ, tokens/s)."
     ),
 ) -> None:
-    """Batch 1, greedy, MT-Bench first turns: plain vs prompt lookup vs assisted vs ours (chain, tree, auto)."""
+    """Batch 1, greedy, MT-Bench first turns and held-out prompts: plain vs prompt lookup vs assisted vs ours."""
     import torch
 
     from mtp import MTPModel
     from mtp.cli import _parse_tree
 
     from .methods import assisted, ours, plain, prompt_lookup
-    from .mtbench import first_turn_ids, load_mtbench
+    from .mtbench import chat_prompt_ids, first_turn_ids
     from .run import markdown_table, run_prompts, summary_rows, write_outputs
     from .verify_cost import relative, verify_cost_curve
 
     if threads:
         torch.set_num_threads(threads)
     _methods(methods), _methods(methods_fp32 or methods)  # fail on a typo before loading anything
-    questions = load_mtbench(limit=limit)
-    rows, stats_by_dtype, costs, sampling = [], {}, {}, {}
+    texts = _prompt_sets(prompts, limit, heldout_n, heldout_source)  # set -> [(id, category, text | question)]
+    rows, stats_by_run, costs, sampling = [], {}, {}, {}
     t_start = time.perf_counter()
     for dt in [d.strip() for d in dtypes.split(",") if d.strip()]:
         torch_dtype = getattr(torch, dt)
         wanted = _methods(methods_fp32 if dt == "float32" and methods_fp32 else methods)
         mtp_model, tokenizer = _load(model, heads, torch_dtype)
-        prompts = [(q.question_id, q.category, first_turn_ids(tokenizer, q)) for q in questions]
+        sets = {
+            name: [
+                (qid, cat, first_turn_ids(tokenizer, x) if name == "mtbench" else chat_prompt_ids(tokenizer, x))
+                for qid, cat, x in items
+            ]
+            for name, items in texts.items()
+        }
+        first = next(iter(sets.values()))
         table = {"plain": plain(mtp_model)}
         for name in wanted:
             if name == "prompt_lookup":
@@ -90,18 +109,21 @@ def bench(
             other = MTPModel.from_pretrained(directory.strip(), base_model=mtp_model.base_model)
             table[f"{label.strip()}-chain"] = ours(other, "chain")
             table[f"{label.strip()}-tree"] = ours(other, _parse_tree(tree))
-        mtp_model.generate(prompts[0][2][:, :8], max_new_tokens=4)  # warm-up
-        typer.echo(f"[{dt}] {len(prompts)} prompts x {list(table)}")
+        mtp_model.generate(first[0][2][:, :8], max_new_tokens=4)  # warm-up
+        for set_name, set_prompts in sets.items():
+            typer.echo(f"[{dt}] {set_name}: {len(set_prompts)} prompts x {list(table)}")
 
-        def progress(name, qid, seconds, diff, dt=dt):
-            same = "identical" if diff is None else f"differs from plain at new token {diff}"
-            typer.echo(f"  [{dt}] q{qid} {name}: {seconds:.1f}s, {same}")
+            def progress(name, qid, seconds, diff, dt=dt, set_name=set_name):
+                same = "identical" if diff is None else f"differs from plain at new token {diff}"
+                label = f"q{qid}" if isinstance(qid, int) else qid
+                typer.echo(f"  [{dt}] {set_name} {label} {name}: {seconds:.1f}s, {same}")
 
-        stats = run_prompts(table, prompts, max_new_tokens, dt, progress)
-        stats_by_dtype[dt] = stats
-        rows.extend(summary_rows(stats))
+            stats = run_prompts(table, set_prompts, max_new_tokens, dt, progress)
+            stats_by_run[f"{dt} {set_name}"] = stats
+            rows.extend(summary_rows(stats, set_name))
         if sampling_temperature > 0:
-            sampling[dt] = _sampling_run(mtp_model, prompts, max_new_tokens, sampling_temperature)
+            on = sets.get("mtbench", first)
+            sampling[dt] = _sampling_run(mtp_model, on, max_new_tokens, sampling_temperature)
             typer.echo(f"[{dt}] sampling at T={sampling_temperature}: {sampling[dt]}")
         if verify_cost:
             costs[dt] = {k: round(v, 3) for k, v in relative(verify_cost_curve(mtp_model.base_model)).items()}
@@ -111,6 +133,11 @@ def bench(
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "limit": limit,
+        "prompt_sets": {
+            name: {"count": len(items), "ids": [qid for qid, _, _ in items]}
+            | ({"source": heldout_source} if name != "mtbench" else {})
+            for name, items in texts.items()
+        },
         "max_new_tokens": max_new_tokens,
         "tree": tree,
         "assistant": _assistant_label(assistant, assistant_layers),
@@ -118,7 +145,7 @@ def bench(
         "sampling": sampling,
         "wall_seconds": round(time.perf_counter() - t_start, 1),
     }
-    write_outputs(out, rows, stats_by_dtype, meta)
+    write_outputs(out, rows, stats_by_run, meta)
     typer.echo(markdown_table(rows))
     typer.echo(json.dumps(meta, indent=2))
     typer.echo(f"wrote {out}/results.json, results.md, results.png")
@@ -130,6 +157,36 @@ def _methods(spec: str) -> list[str]:
     if unknown:
         raise typer.BadParameter(f"unknown methods {sorted(unknown)}; known: {ALL_METHODS}")
     return wanted if "plain" in wanted else ["plain", *wanted]
+
+
+def _prompt_sets(spec: str, limit: int, heldout_n: int, source: str) -> dict[str, list[tuple]]:
+    """The prompts of each wanted set, before tokenizing: set -> [(id, category, MT-Bench question | text)].
+
+    Sets with no prompts (--limit 0, --heldout-n 0) are left out; at least one set must remain."""
+    wanted = [x.strip() for x in spec.split(",") if x.strip()]
+    unknown = set(wanted) - set(ALL_SETS.split(","))
+    if unknown or not wanted:
+        raise typer.BadParameter(f"unknown prompt sets {sorted(unknown)}; known: {ALL_SETS}")
+    from .heldout import SOURCES, heldout_prompts
+    from .mtbench import load_mtbench
+
+    if source not in SOURCES:
+        raise typer.BadParameter(f"--heldout-source must be one of {SOURCES}, got {source!r}")
+    sets: dict[str, list[tuple]] = {}
+    for name in dict.fromkeys(wanted):
+        if name == "mtbench":
+            sets[name] = [(q.question_id, q.category, q) for q in load_mtbench(limit=limit)]
+        else:
+            kind = name.removeprefix("heldout-")
+            try:
+                sets[name] = [(p.id, p.source, p.text) for p in heldout_prompts(kind, heldout_n, source)]
+            except ModuleNotFoundError as err:  # ShareGPT not installed
+                hint = "or use only the handwritten held-out prompts: --heldout-source handwritten"
+                raise typer.BadParameter(f"{err} ({hint})") from err
+    sets = {name: items for name, items in sets.items() if items}
+    if not sets:
+        raise typer.BadParameter("no prompts to run: every selected set is empty (--limit / --heldout-n)")
+    return sets
 
 
 def _sampling_run(mtp_model, prompts, max_new: int, temperature: float) -> dict:

@@ -107,8 +107,13 @@ def load_mtbench(limit: int | None = None, categories: Iterable[str] | None = No
 
 def first_turn_ids(tokenizer, question: MTBenchQuestion):
     """The question's first turn as the model sees it: chat template + generation prompt, (1, T) ids."""
+    return chat_prompt_ids(tokenizer, question.turns[0])
+
+
+def chat_prompt_ids(tokenizer, text: str):
+    """One user message as the model sees it: chat template + generation prompt, (1, T) ids."""
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": question.turns[0]}],
+        [{"role": "user", "content": text}],
         add_generation_prompt=True,
         return_tensors="pt",
         return_dict=True,

@@ -1,8 +1,10 @@
-"""The MT-Bench speed benchmark: batch 1, greedy, every method on the same prompts in one process.
+"""The speed benchmark: batch 1, greedy, every method on the same prompts in one process.
 
-For each dtype and method: tokens/s, speedup over plain `generate()` measured in the same run, τ (ours),
-speedup per MT-Bench category, peak RSS during the method, and identity with plain `generate()` in the
-same dtype (identical answers; for each difference the first divergent position and the reference's
+For each prompt set (MT-Bench, and the held-out chat and code sets of bench/heldout.py), dtype and method:
+tokens/s, speedup over plain `generate()` measured in the same run on the same prompts, τ (ours), speedup
+per category (MT-Bench's categories; a held-out set's sources), the smallest per-prompt speedup and how many
+prompts ran slower than plain (per token), peak RSS during the method, and identity with plain `generate()`
+in the same dtype (identical answers; for each difference the first divergent position and the reference's
 top-2 logit margin there, so every difference can be seen to sit at a near-tie or not).
 """
 
@@ -22,7 +24,7 @@ from .methods import Method, MethodResult
 
 @dataclass
 class Difference:
-    question_id: int
+    question_id: int | str  # MT-Bench question id, or a held-out prompt id ("hw-chat-03", "sg-15007")
     position: int  # index among new tokens of the first divergent token
     ref_margin: float  # reference top-1 minus top-2 logit at that position
 
@@ -41,11 +43,13 @@ class MethodStats:
     prompts: int = 0
     peak_rss_mb: float = 0.0
     per_category: dict[str, list[float]] = field(default_factory=dict)  # category -> [seconds, tokens]
-    per_prompt: dict[int, tuple[float, int]] = field(default_factory=dict)  # qid -> (seconds, new tokens)
+    per_prompt: dict[int | str, tuple[float, int]] = field(default_factory=dict)  # qid -> (seconds, new tokens)
     accepted_lengths: list[int] = field(default_factory=list)
     differences: list[Difference] = field(default_factory=list)
 
-    def observe(self, qid: int, category: str, seconds: float, result: MethodResult, new: int, same: bool) -> None:
+    def observe(
+        self, qid: int | str, category: str, seconds: float, result: MethodResult, new: int, same: bool
+    ) -> None:
         self.seconds += seconds
         self.new_tokens += new
         self.prompts += 1
@@ -110,12 +114,14 @@ def top2_margin(logits: torch.Tensor) -> float:
 
 def run_prompts(
     methods: dict[str, Method],
-    prompts: list[tuple[int, str, torch.Tensor]],
+    prompts: list[tuple[int | str, str, torch.Tensor]],
     max_new: int,
     dtype: str,
     progress=None,
 ) -> dict[str, MethodStats]:
-    """Run every method on every prompt (methods interleaved per prompt so drift hits all alike)."""
+    """Run every method on every prompt (methods interleaved per prompt so drift hits all alike).
+
+    prompts: (id, category, (1, T) ids); the category groups the per-category speedups."""
     if "plain" not in methods:
         raise ValueError("the benchmark needs the 'plain' method as its reference")
     stats = {name: MethodStats(name, dtype) for name in methods}
@@ -146,7 +152,8 @@ def _per_token(seconds_tokens: tuple[float, int]) -> float:
     return seconds / max(1, tokens)
 
 
-def summary_rows(stats: dict[str, MethodStats]) -> list[dict]:
+def summary_rows(stats: dict[str, MethodStats], prompt_set: str = "mtbench") -> list[dict]:
+    """One row per method; `prompt_set` names the prompts the stats were measured on (a column of its own)."""
     plain = stats["plain"]
     rows = []
     for st in stats.values():
@@ -155,11 +162,11 @@ def summary_rows(stats: dict[str, MethodStats]) -> list[dict]:
             for c, v in st.per_category.items()
         }
         # per token: after a bf16 near-tie an answer can run longer or shorter than plain's, and its time with it
-        slowest = max(
-            (_per_token(st.per_prompt[q]) / _per_token(plain.per_prompt[q]) for q in st.per_prompt), default=1.0
-        )
+        ratios = [_per_token(st.per_prompt[q]) / _per_token(plain.per_prompt[q]) for q in st.per_prompt]
+        slowest = max(ratios, default=1.0)
         rows.append(
             {
+                "set": prompt_set,
                 "method": st.name,
                 "dtype": st.dtype,
                 "tokens_per_s": round(st.tokens_per_s, 2),
@@ -168,6 +175,9 @@ def summary_rows(stats: dict[str, MethodStats]) -> list[dict]:
                 "identical": f"{st.identical}/{st.prompts}",
                 "min_category_speedup": round(min(cats.values()), 3) if cats else None,
                 "worst_prompt_slowdown": round(slowest, 3),
+                # the same comparison as a speedup: >= 1 means no prompt ran slower per token than plain
+                "min_prompt_speedup": round(1 / slowest, 3) if slowest > 0 else None,
+                "prompts_slower": f"{sum(r > 1.0 for r in ratios)}/{len(ratios)}",
                 "peak_rss_mb": round(st.peak_rss_mb),
                 "per_category_speedup": {c: round(v, 3) for c, v in sorted(cats.items())},
                 "differences": [asdict(d) for d in st.differences],
@@ -177,39 +187,57 @@ def summary_rows(stats: dict[str, MethodStats]) -> list[dict]:
     return rows
 
 
+def _x(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "–"
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = "| dtype | method | tok/s | speedup | τ | identical | min category | worst prompt time/token | peak RSS MB |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    """One table, a row per (prompt set, dtype, method), grouped by set in the order the sets first appear.
+
+    "min category" is the lowest per-category speedup (a held-out set's categories are its sources);
+    "min prompt speedup" the lowest per-prompt speedup per token, and "slower" how many prompts ran slower
+    per token than plain `generate()` (0/n: no prompt slower)."""
+    head = (
+        "| set | dtype | method | tok/s | speedup | τ | identical | min category | min prompt speedup | slower | "
+        "peak RSS MB |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = list(dict.fromkeys(r.get("set", "mtbench") for r in rows))
+    for r in sorted(rows, key=lambda r: order.index(r.get("set", "mtbench"))):  # stable: dtype, method kept
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "–"
+        min_prompt = r.get("min_prompt_speedup")
+        if min_prompt is None and r.get("worst_prompt_slowdown"):
+            min_prompt = 1 / r["worst_prompt_slowdown"]
         lines.append(
-            f"| {r['dtype']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {tau} | "
-            f"{r['identical']} | {r['min_category_speedup']:.2f}x | {r['worst_prompt_slowdown']:.2f}x | "
-            f"{r['peak_rss_mb']} |"
+            f"| {r.get('set', 'mtbench')} | {r['dtype']} | {r['method']} | {r['tokens_per_s']:.1f} | "
+            f"{r['speedup']:.2f}x | {tau} | {r['identical']} | {_x(r['min_category_speedup'])} | {_x(min_prompt)} | "
+            f"{r.get('prompts_slower', '–')} | {r['peak_rss_mb']} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(out_dir: Path, rows: list[dict], stats_by_dtype: dict[str, dict[str, MethodStats]], meta: dict):
+def write_outputs(out_dir: Path, rows: list[dict], stats_by_run: dict[str, dict[str, MethodStats]], meta: dict):
+    """results.json (meta + rows), results.md (the table), results.png (one plot row per key of stats_by_run:
+    a dtype, or "<dtype> <prompt set>")."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     (out_dir / "results.md").write_text(markdown_table(rows))
     try:
-        plot(out_dir / "results.png", rows, stats_by_dtype)
+        plot(out_dir / "results.png", rows, stats_by_run)
     except ImportError:  # matplotlib is an optional extra
         pass
 
 
-def plot(path: Path, rows: list[dict], stats_by_dtype: dict[str, dict[str, MethodStats]]) -> None:
+def plot(path: Path, rows: list[dict], stats_by_run: dict[str, dict[str, MethodStats]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dtypes = sorted(stats_by_dtype)
-    fig, axes = plt.subplots(len(dtypes), 2, figsize=(13, 4.2 * len(dtypes)), squeeze=False)
-    for i, dt in enumerate(dtypes):
-        stats = stats_by_dtype[dt]
+    runs = list(stats_by_run)
+    fig, axes = plt.subplots(len(runs), 2, figsize=(13, 4.2 * len(runs)), squeeze=False)
+    for i, dt in enumerate(runs):
+        stats = stats_by_run[dt]
         cats = sorted(stats["plain"].per_category)
         ax = axes[i][0]
         width = 0.8 / len(stats)
@@ -218,7 +246,7 @@ def plot(path: Path, rows: list[dict], stats_by_dtype: dict[str, dict[str, Metho
             ax.bar([x + j * width for x in range(len(cats))], vals, width, label=st.name)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cats))], cats, rotation=30, ha="right")
         ax.set_ylabel("tokens/s")
-        ax.set_title(f"MT-Bench tokens/s per category ({dt})")
+        ax.set_title(f"tokens/s per category ({dt})")
         ax.legend(fontsize=8)
         ax = axes[i][1]
         for st in stats.values():
