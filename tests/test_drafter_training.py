@@ -1,0 +1,135 @@
+"""Offline drafter training: feature cache, learning, exact resume (also after SIGKILL), a loadable export."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_support import stdlib_files, tiny_ckpt  # noqa: F401
+
+from mtp.train.drafter_trainer import DrafterOptions, train_drafter
+from mtp.train.features import FeatureOptions, cache_features
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory, tiny_ckpt):  # noqa: F811
+    """Features of the tiny Llama with its final norm scaled x16: a random model's next-token distribution
+    is nearly uniform (nothing to learn); scaled, it is as peaked as a trained model's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    sharp = tmp_path_factory.mktemp("sharp") / "tiny-llama"
+    shutil.copytree(tiny_ckpt, sharp)
+    m = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        m.model.norm.weight.mul_(16.0)
+    m.save_pretrained(sharp)
+    tiny_ckpt = sharp
+    out = tmp_path_factory.mktemp("features") / "cache"
+    info = cache_features(
+        FeatureOptions(model=str(tiny_ckpt), data=stdlib_files(), out=out, block_size=128, eval_fraction=0.1,
+                       eval_max_blocks=8, draft_vocab_size=200, batch_size=8, shard_blocks=16, dtype="float32")
+    )  # fmt: skip
+    return tiny_ckpt, out, info
+
+
+def _opts(model: Path, feats: Path, out: Path, **kw) -> DrafterOptions:
+    base = dict(features=feats, out=out, model=str(model), num_heads=4, steps=3, lr=3e-3, warmup_steps=5,
+                micro_batch=8, max_steps=12, eval_every=1000, save_every=3, seed=0)  # fmt: skip
+    return DrafterOptions(**{**base, **kw})
+
+
+def test_feature_cache_is_complete_and_resumable(features):
+    model, out, info = features
+    assert info["train_blocks"] > 8 and info["eval_blocks"] > 0
+    assert info["feature_layers"] == [1]  # a 2-layer base: the input of its last layer
+    vocab = json.loads((out / "draft_vocab.json").read_text())
+    assert len(vocab) == info["draft_vocab_size"] <= 200 and vocab == sorted(set(vocab))
+    shards = sorted((out / "train").glob("shard-*"))
+    assert len(shards) >= 2
+    # the cached features are what the base computes
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM
+
+    row = load_from_disk(str(shards[0])).with_format("numpy")[0]
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        o = base(torch.tensor(row["input_ids"][None]).long(), output_hidden_states=True)
+    torch.testing.assert_close(torch.from_numpy(row["aux"]).float(), o.hidden_states[1][0], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(torch.from_numpy(row["final"]).float(), o.hidden_states[-1][0], atol=2e-3, rtol=1e-3)
+    assert (torch.from_numpy(row["target"]).long() == o.logits[0].argmax(-1)).float().mean() > 0.99
+    # a rerun finds every shard finished and recomputes nothing
+    again = cache_features(FeatureOptions(model=str(model), data=stdlib_files(), out=out, block_size=128,
+                                          eval_fraction=0.1, eval_max_blocks=8, draft_vocab_size=200,
+                                          batch_size=8, shard_blocks=16, dtype="float32"))  # fmt: skip
+    assert again["tokens_computed"] == 0
+
+
+def test_drafter_learns_every_depth(tmp_path, features):
+    model, feats, _ = features
+    res = train_drafter(_opts(model, feats, tmp_path / "run", max_steps=80, eval_every=80, save_every=80))
+    before, after = res["untrained"]["top1"], res["heldout"]["top1"]
+    assert len(after) == 3
+    assert after[0] > before[0] + 0.10, (before, after)
+    for j in range(1, 3):  # the training-time test trains the drafter's own deeper steps too
+        assert after[j] > before[j] + 0.05, (before, after)
+    # the export is an MTP checkpoint every command loads
+    from mtp import MTPModel
+
+    exported = MTPModel.from_pretrained(tmp_path / "run" / "drafter")
+    assert exported.config.head_type == "eagle"
+    assert exported.heads.draft_vocab_size == json.loads((feats / "draft_vocab.json").read_text()).__len__()
+
+
+def test_resume_is_exact(tmp_path, features):
+    model, feats, _ = features
+    straight = tmp_path / "straight"
+    train_drafter(_opts(model, feats, straight))
+    stopped = tmp_path / "stopped"
+    r = train_drafter(_opts(model, feats, stopped, stop_after=6))
+    assert r["stop_reason"] == "stop_after" and not (stopped / "drafter").exists()
+    train_drafter(_opts(model, feats, stopped))
+    a = load_file(str(straight / "checkpoint-12" / "drafter.safetensors"))
+    b = load_file(str(stopped / "checkpoint-12" / "drafter.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    loss = [json.loads(x)["loss"] for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(x)["loss"] for x in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == pytest.approx(loss)
+
+
+def test_kill_and_resume(tmp_path, features):
+    """SIGKILL a real training process; rerunning the same command continues the uninterrupted run."""
+    model, feats, _ = features
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "mtp.train.drafter_trainer", "--features", str(feats), "--out", str(killed),
+           "--model", str(model), "--num-heads", "4", "--steps", "3", "--lr", "3e-3", "--warmup-steps", "5",
+           "--micro-batch", "8", "--max-steps", "400", "--eval-every", "1000", "--save-every", "2",
+           "--threads", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while not (killed / "checkpoint-4" / "state.json").is_file():
+            assert proc.poll() is None, "training process died before its first checkpoints"
+            assert time.time() < deadline, "no checkpoint-4 after 180 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    last = max(int(p.name.split("-")[1]) for p in killed.glob("checkpoint-*") if (p / "state.json").exists())
+    target = last + 2
+    train_drafter(_opts(model, feats, killed, max_steps=400, save_every=2, stop_after=target))
+    straight = tmp_path / "straight"
+    train_drafter(_opts(model, feats, straight, max_steps=400, save_every=2, stop_after=target))
+    a = load_file(str(straight / f"checkpoint-{target}" / "drafter.safetensors"))
+    b = load_file(str(killed / f"checkpoint-{target}" / "drafter.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

@@ -1,0 +1,347 @@
+"""Train an EAGLE-style drafter on cached features (`train.features`), with EAGLE-3's training-time test.
+
+Why offline: the backbone is frozen, so its features are the same in every epoch; they are computed once
+and each training step runs only the one-layer drafter. Why the training-time test: at serving time depth
+k reads the drafter's own output from depth k-1, not the base's features, so a drafter trained only on
+real features loses accuracy with every depth; unrolling `steps` depths in training (`EagleDrafter.unroll`:
+own outputs as the next input, the EAGLE-3 attention mask) trains exactly what drafting runs.
+
+Loss: for depth j at position t, the cross-entropy between the drafter's draft-vocabulary distribution and
+the teacher's (the base's own next-token distribution at position t+j+1, restricted to the draft
+vocabulary and renormalised: exact, from the cached final hidden states), weighted ``decay**j``; only
+positions whose guessed token is an assistant token count. Accuracy per depth = how often the drafter's
+top-1 equals the teacher's greedy token (over the full vocabulary, so tokens outside the draft vocabulary
+count as misses).
+
+Checkpoints every ``save_every`` steps (drafter safetensors, optimizer state loaded with
+``weights_only=True``, step, RNG): rerunning the same command resumes; the data order is a function of
+(seed, epoch). ``max_minutes`` ends a run cleanly (checkpoint + export) for time-boxed jobs, without
+changing the lr schedule. The result is an MTP checkpoint directory (heads only, pointing at the base) that
+`MTPModel.from_pretrained` and every `mtp` command load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DrafterOptions:
+    features: Path = Path("runs/features")
+    out: Path = Path("runs/eagle")
+    model: str = "default"
+    num_heads: int = 6  # deepest draft the exported drafter offers the tree builder
+    steps: int = 5  # training-time-test depth
+    decay: float = 0.8
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    micro_batch: int = 4
+    max_steps: int = 2000
+    max_minutes: float | None = None
+    stop_after: int | None = None  # end this run at that step (checkpointed, not exported); rerun to go on
+    eval_every: int = 200
+    save_every: int = 50
+    seed: int = 0
+    threads: int | None = None
+
+
+def _load_split(directory: Path) -> dict[str, torch.Tensor]:
+    """All shards of one split as in-memory tensors (fp16 features stay fp16)."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    shards = sorted(p for p in directory.glob("shard-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    if not shards:
+        raise FileNotFoundError(f"no feature shards in {directory}: run `python -m mtp.train.features` first")
+    ds = concatenate_datasets([load_from_disk(str(p)) for p in shards]).with_format("numpy")
+    table = ds[:]
+    cols = {}
+    for name in ("input_ids", "loss_mask", "aux", "final", "target"):
+        cols[name] = torch.from_numpy(table[name])
+    cols["input_ids"] = cols["input_ids"].long()
+    cols["target"] = cols["target"].long()
+    cols["loss_mask"] = cols["loss_mask"].bool()
+    return cols
+
+
+def _lr(step: int, opts: DrafterOptions) -> float:
+    if step < opts.warmup_steps:
+        return opts.lr * (step + 1) / opts.warmup_steps
+    progress = min(1.0, (step - opts.warmup_steps) / max(1, opts.max_steps - opts.warmup_steps))
+    floor = opts.min_lr_ratio
+    return opts.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+RANKS = 8  # rank probabilities kept per depth for the tree builder (MTPConfig.head_accuracies)
+
+
+def depth_losses(
+    drafter: Any, teacher_w: torch.Tensor, batch: dict[str, torch.Tensor], steps: int, ranks: list | None = None
+) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Per-depth soft cross-entropy (mean over valid positions) and (correct, counted) top-1 per depth.
+
+    With `ranks` (a list of per-depth count tensors of size RANKS+1), also counts at which rank of the
+    drafter's list the teacher's greedy token sits (index RANKS: not in the top RANKS)."""
+    aux, ids, final = batch["aux"], batch["input_ids"], batch["final"]
+    mask, target = batch["loss_mask"], batch["target"]
+    B, T = ids.shape
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = drafter.unroll(aux.float(), ids, steps)
+    losses, acc = [], []
+    draft_ids = drafter.draft_ids
+    for j, lg in enumerate(logits):
+        # entry (j, t) guesses x_{t+j+2}; the teacher's distribution for it is at position p = t+j+1
+        L = T - j - 2
+        if L <= 0:
+            break
+        valid = mask[:, j + 2 : j + 2 + L]
+        if not valid.any():
+            losses.append(lg.sum() * 0.0)
+            acc.append((0, 0))
+            continue
+        student = lg[:, :L][valid].float()
+        with torch.no_grad():
+            teacher = F.softmax(final[:, j + 1 : j + 1 + L][valid].float() @ teacher_w.T, dim=-1)
+            greedy = target[:, j + 1 : j + 1 + L][valid]
+            correct = int((draft_ids[student.argmax(-1)] == greedy).sum())
+            if ranks is not None:
+                top = draft_ids[student.topk(RANKS, dim=-1).indices]  # (n, RANKS) base ids
+                hit = top == greedy[:, None]
+                where = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(greedy, RANKS))
+                ranks[j] += torch.bincount(where, minlength=RANKS + 1)
+        losses.append(-(teacher * F.log_softmax(student, dim=-1)).sum(-1).mean())
+        acc.append((correct, int(valid.sum())))
+    return losses, acc
+
+
+def _batch(data: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    idx = torch.tensor(rows)
+    return {k: v[idx] for k, v in data.items()}
+
+
+@torch.no_grad()
+def evaluate(drafter: Any, teacher_w: torch.Tensor, data: dict[str, torch.Tensor], steps: int, mb: int) -> dict:
+    """Held-out per-depth top-1 (training-time-test inputs: real tokens, own features) and loss."""
+    was = drafter.training
+    drafter.eval()
+    tot = [[0, 0] for _ in range(steps)]
+    rank_counts = [torch.zeros(RANKS + 1, dtype=torch.long) for _ in range(steps)]
+    loss_sum, n = [0.0] * steps, 0
+    for lo in range(0, data["input_ids"].shape[0], mb):
+        losses, acc = depth_losses(
+            drafter, teacher_w, _batch(data, list(range(lo, min(lo + mb, len(data["input_ids"]))))), steps, rank_counts
+        )
+        for j, ((c, k), lval) in enumerate(zip(acc, losses, strict=True)):
+            tot[j][0] += c
+            tot[j][1] += k
+            loss_sum[j] += float(lval)
+        n += 1
+    drafter.train(was)
+    return {
+        "top1": [round(c / max(1, k), 4) for c, k in tot],
+        "loss": [round(x / max(1, n), 4) for x in loss_sum],
+        "rank_probs": [[round(float(c) / max(1, int(r.sum())), 5) for c in r[:RANKS]] for r in rank_counts],
+        "tokens": tot[0][1],
+    }
+
+
+def _save(directory: Path, drafter: Any, optim: torch.optim.Optimizer, step: int, extra: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = directory.with_name(directory.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in drafter.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    torch.save({"optim": optim.state_dict(), "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **extra}))
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)
+    tmp.rename(directory)
+
+
+def _latest(out: Path) -> Path | None:
+    found = sorted(
+        (int(p.name.split("-")[1]), p) for p in out.glob("checkpoint-*") if p.is_dir() and (p / "state.json").exists()
+    )
+    return found[-1][1] if found else None
+
+
+def export_drafter(drafter: Any, base: Any, out: Path, metrics: dict | None = None) -> Path:
+    """Write the drafter as a heads-only MTP checkpoint (bf16) that `MTPModel.from_pretrained` loads."""
+    from mtp.model import MTPModel
+
+    model = MTPModel.from_base(base, num_heads=drafter.num_heads, head_type="eagle", **drafter.config_kwargs())
+    model.heads.load_state_dict(drafter.state_dict())
+    model.heads.to(torch.bfloat16)
+    if metrics is not None and metrics.get("heldout", {}).get("rank_probs"):
+        # what the tree builder reads: P(rank r of depth k is the base's token), measured held out
+        model.config.head_accuracies = metrics["heldout"]["rank_probs"][: drafter.num_heads]
+    target = out / "drafter"
+    model.save_pretrained(target, heads_only=True)
+    if metrics is not None:
+        (target / "training_metrics.json").write_text(json.dumps(metrics, indent=2))
+    return target
+
+
+def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
+    from safetensors.torch import load_file
+    from tqdm.auto import tqdm
+
+    from mtp.heads import build_heads
+
+    from .features import INFO, VOCAB, load_base
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    feats = Path(opts.features)
+    info = json.loads((feats / INFO).read_text())
+    vocab = torch.tensor(json.loads((feats / VOCAB).read_text()), dtype=torch.long)
+    base, _ = load_base(opts.model, torch.float32)
+    drafter = build_heads(
+        "eagle",
+        base_model=base,
+        hidden_size=base.config.hidden_size,
+        vocab_size=base.config.vocab_size,
+        num_heads=opts.num_heads,
+        feature_layers=info["feature_layers"],
+        draft_vocab_size=int(vocab.numel()),
+    )
+    drafter.set_draft_vocab(vocab, base)
+    drafter.float().train()
+    teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
+    t_load = time.time()
+    train, held = _load_split(feats / "train"), _load_split(feats / "eval")
+    load_s = time.time() - t_load
+    optim = torch.optim.AdamW(drafter.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, betas=(0.9, 0.95))
+    step = 0
+    ckpt = _latest(out)
+    if ckpt is not None:
+        drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")))
+        state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+        optim.load_state_dict(state["optim"])
+        torch.set_rng_state(state["rng"])
+        step = json.loads((ckpt / "state.json").read_text())["step"]
+        print(f"resumed from {ckpt} (step {step})")
+    metrics_path = out / "metrics.jsonl"
+    N = train["input_ids"].shape[0]
+    per_epoch = max(1, N // opts.micro_batch)
+
+    def order(epoch: int) -> list[int]:
+        g = random.Random(opts.seed * 100_003 + epoch)
+        rows = list(range(N))
+        g.shuffle(rows)
+        return rows
+
+    if step == 0:
+        ev = evaluate(drafter, teacher_w, held, opts.steps, opts.micro_batch)
+        (out / "eval_untrained.json").write_text(json.dumps(ev))
+        print("untrained held-out top-1 per depth:", ev["top1"])
+    t0 = time.time()
+    tokens_done = 0
+    cpu_seconds = 0.0
+    bar = tqdm(total=opts.max_steps, initial=step, desc="drafter", unit="step")
+    stop_reason = "max_steps"
+    history: list[dict] = []
+    while step < opts.max_steps:
+        epoch, k = divmod(step, per_epoch)
+        rows = order(epoch)[k * opts.micro_batch : (k + 1) * opts.micro_batch]
+        for g in optim.param_groups:
+            g["lr"] = _lr(step, opts)
+        c0 = time.process_time()
+        losses, acc = depth_losses(drafter, teacher_w, _batch(train, rows), opts.steps)
+        loss = sum(opts.decay**j * lval for j, lval in enumerate(losses))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        if opts.grad_clip:
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), opts.grad_clip)
+        optim.step()
+        cpu_seconds += time.process_time() - c0
+        step += 1
+        tokens_done += len(rows) * train["input_ids"].shape[1]
+        rate = tokens_done / max(1e-9, time.time() - t0)
+        rec = {
+            "step": step,
+            "loss": round(loss.item(), 4),
+            "lr": _lr(step - 1, opts),
+            "top1": [round(c / max(1, n), 3) for c, n in acc],
+            "tokens_per_s": round(rate, 1),
+            "elapsed_s": round(time.time() - t0, 1),
+        }
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        bar.set_postfix(loss=f"{loss.item():.3f}", d1=rec["top1"][0], tok_s=f"{rate:.0f}")
+        bar.update(1)
+        timed_out = opts.max_minutes is not None and (time.time() - t0) / 60 >= opts.max_minutes
+        if step % opts.eval_every == 0 or step == opts.max_steps or timed_out:
+            ev = evaluate(drafter, teacher_w, held, opts.steps, opts.micro_batch)
+            ev.update(step=step, elapsed_s=round(time.time() - t0, 1))
+            history.append(ev)
+            with (out / "eval_history.jsonl").open("a") as f:
+                f.write(json.dumps(ev) + "\n")
+            print(f"step {step}: held-out top-1 per depth {ev['top1']}")
+        if step % opts.save_every == 0 or step == opts.max_steps or timed_out:
+            _save(out / f"checkpoint-{step}", drafter, optim, step, {"tokens": tokens_done})
+            for old in sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+        if timed_out:
+            stop_reason = "max_minutes"
+            break
+        if opts.stop_after is not None and step >= opts.stop_after:
+            _save(out / f"checkpoint-{step}", drafter, optim, step, {"tokens": tokens_done})
+            bar.close()
+            return {"stop_reason": "stop_after", "steps": step}
+    bar.close()
+    final_eval = history[-1] if history else evaluate(drafter, teacher_w, held, opts.steps, opts.micro_batch)
+    metrics = {
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        "features": info,
+        "stop_reason": stop_reason,
+        "steps": step,
+        "wall_seconds_this_run": round(time.time() - t0, 1),
+        "tokens_per_second_this_run": round(tokens_done / max(1e-9, time.time() - t0), 1),
+        "feature_load_seconds": round(load_s, 1),
+        "heldout": final_eval,
+        "untrained": json.loads((out / "eval_untrained.json").read_text())
+        if (out / "eval_untrained.json").exists()
+        else None,
+    }
+    target = export_drafter(drafter, base, out, metrics)
+    (out / "result.json").write_text(json.dumps(metrics, indent=2))
+    print(f"drafter written to {target}")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Train an EAGLE-style drafter on cached features.")
+    d = DrafterOptions()
+    for name, value in asdict(d).items():
+        flag = "--" + name.replace("_", "-")
+        kind = type(value) if value is not None else (float if name == "max_minutes" else int)
+        if isinstance(value, Path):
+            kind = Path
+        p.add_argument(flag, type=kind, default=value)
+    a = p.parse_args(argv)
+    train_drafter(DrafterOptions(**vars(a)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

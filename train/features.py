@@ -1,0 +1,223 @@
+"""Offline features: run the frozen base once over the training text and store what a drafter learns from.
+
+Why: a drafter that reads the base's hidden states (EAGLE) needs the backbone only as a feature extractor.
+Re-running a 30-layer backbone in every training step of a one-layer drafter spends most of a CPU's time
+on the backbone; computing its features once turns every further epoch into drafter-only work.
+
+Per packed block (``data.block_size`` tokens, `train.data.prepare_data`, assistant-token masks) the cache
+stores, as a `datasets` dataset (``train/`` and ``eval/``, in ``shard-NNNNN`` folders; a rerun skips finished
+shards, so a killed job loses at most one shard):
+
+  input_ids  (T,) int32       the tokens
+  loss_mask  (T,) uint8       1 where the token is a training target (assistant text)
+  aux        (T, n*d) float16 the inputs of the drafter's feature layers, concatenated (EAGLE-3 fusion)
+  final      (T, d) float16   the base's final normalised hidden state: the teacher's logits over any
+                              draft vocabulary are exactly ``final @ lm_head[draft_ids].T``
+  target     (T,) int32       the teacher's greedy next token (argmax over the full vocabulary)
+
+Storing ``final`` instead of top-k probabilities keeps the targets exact over the whole draft vocabulary
+at 2·d bytes per token (1.2 KB for SmolLM2, less than a top-64 list of ids and probabilities). The draft
+vocabulary (the most frequent target tokens) is chosen here and written to ``draft_vocab.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+INFO = "features_info.json"
+VOCAB = "draft_vocab.json"
+
+
+@dataclass
+class FeatureOptions:
+    model: str = "default"
+    data: list[str] = field(default_factory=lambda: ["sharegpt"])
+    out: Path = Path("runs/features")
+    max_documents: int | None = None
+    block_size: int = 512
+    eval_fraction: float = 0.04
+    eval_max_blocks: int = 48
+    feature_layers: list[int] | None = None
+    draft_vocab_size: int = 8192
+    batch_size: int = 4
+    shard_blocks: int = 32
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+def load_base(model: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The base model (eval mode) and its tokenizer; ``default`` is the embedded SmolLM2."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model == "default":
+        from mtp.default_model import default_model_dir
+
+        path = str(default_model_dir())
+    else:
+        path = model
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    base.requires_grad_(False)
+    return base, AutoTokenizer.from_pretrained(path)
+
+
+def _shards(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("shard-*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+@torch.no_grad()
+def _write_split(
+    base: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    layers: tuple[int, ...],
+    out: Path,
+    opts: FeatureOptions,
+    bar: Any,
+) -> int:
+    import numpy as np
+    from datasets import Array2D, Dataset, Features, Sequence, Value
+
+    from mtp.eagle import select_features
+
+    out.mkdir(parents=True, exist_ok=True)
+    N, T = ids.shape
+    d = base.config.hidden_size
+    n = len(layers)
+    feats = Features(
+        {
+            "input_ids": Sequence(Value("int32"), length=T),
+            "loss_mask": Sequence(Value("uint8"), length=T),
+            "aux": Array2D(shape=(T, n * d), dtype="float16"),
+            "final": Array2D(shape=(T, d), dtype="float16"),
+            "target": Sequence(Value("int32"), length=T),
+        }
+    )
+    done = {p.name for p in _shards(out)}
+    tokens = 0
+    for s, lo in enumerate(range(0, N, opts.shard_blocks)):
+        hi = min(N, lo + opts.shard_blocks)
+        name = f"shard-{s:05d}"
+        if name in done:
+            bar.update(hi - lo)
+            continue
+        cols: dict[str, list] = {k: [] for k in feats}
+        for b in range(lo, hi, opts.batch_size):
+            e = min(hi, b + opts.batch_size)
+            x = ids[b:e]
+            o = base(input_ids=x, output_hidden_states=True)
+            aux = select_features(o.hidden_states, layers)
+            cols["input_ids"] += list(x.to(torch.int32).numpy())
+            m = mask[b:e] if mask is not None else torch.ones_like(x, dtype=torch.bool)
+            cols["loss_mask"] += list(m.to(torch.uint8).numpy())
+            cols["aux"] += list(aux.to(torch.float16).numpy())
+            cols["final"] += list(o.hidden_states[-1].to(torch.float16).numpy())
+            cols["target"] += list(o.logits.argmax(-1).to(torch.int32).numpy())
+            tokens += x.numel()
+            bar.update(e - b)
+        tmp = out / f"{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        Dataset.from_dict({k: [np.asarray(v) for v in vals] for k, vals in cols.items()}, features=feats).save_to_disk(
+            str(tmp)
+        )
+        tmp.rename(out / name)
+    return tokens
+
+
+def cache_features(opts: FeatureOptions) -> dict[str, Any]:
+    """Compute (or finish computing) the feature cache described in the module docstring."""
+    from tqdm.auto import tqdm
+
+    from mtp.draft_vocab import frequent_tokens
+    from mtp.eagle import default_feature_layers
+    from mtp.mtp_modules import decoder_layers
+
+    from .config import DataSection
+    from .data import prepare_data
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base, tokenizer = load_base(opts.model, dtype)
+    layers = tuple(opts.feature_layers or default_feature_layers(len(decoder_layers(base))))
+    section = DataSection(
+        path=list(opts.data),
+        block_size=opts.block_size,
+        loss_on="assistant",
+        eval_fraction=opts.eval_fraction,
+        eval_max_blocks=opts.eval_max_blocks,
+        max_documents=opts.max_documents,
+    )
+    t0 = time.time()
+    packed = prepare_data(section, tokenizer, base.config.vocab_size, opts.seed)
+    prep_s = time.time() - t0
+    train_mask = (
+        packed.train_mask if packed.train_mask is not None else torch.ones_like(packed.train_ids, dtype=torch.bool)
+    )
+    targets = [row[m[1:]].tolist() for row, m in zip(packed.train_ids[:, 1:], train_mask, strict=True)]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    vocab = frequent_tokens(targets, opts.draft_vocab_size, base.config.vocab_size, always=eos)
+    (out / VOCAB).write_text(json.dumps(vocab.tolist()))
+    t1 = time.time()
+    total = packed.train_ids.shape[0] + packed.eval_ids.shape[0]
+    with tqdm(total=total, desc="features", unit="block") as bar:
+        n_train = _write_split(base, packed.train_ids, packed.train_mask, layers, out / "train", opts, bar)
+        n_eval = _write_split(base, packed.eval_ids, packed.eval_mask, layers, out / "eval", opts, bar)
+    seconds = time.time() - t1
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    info = {
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
+        "feature_layers": list(layers),
+        "train_blocks": int(packed.train_ids.shape[0]),
+        "eval_blocks": int(packed.eval_ids.shape[0]),
+        "train_target_tokens": int(train_mask.sum()),
+        "documents": packed.num_documents,
+        "tokens_computed": n_train + n_eval,
+        "prepare_seconds": round(prep_s, 1),
+        "feature_seconds": round(seconds, 1),
+        "bytes": size,
+        "draft_vocab_size": int(vocab.numel()),
+    }
+    (out / INFO).write_text(json.dumps(info, indent=2))
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Cache a frozen base's features and targets for drafter training.")
+    p.add_argument("--model", default="default")
+    p.add_argument("--data", nargs="+", default=["sharegpt"], help="train.data sources (distill dirs, sharegpt, ...)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-documents", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--feature-layers", type=int, nargs="+", default=None)
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--eval-fraction", type=float, default=0.04)
+    a = p.parse_args(argv)
+    info = cache_features(
+        FeatureOptions(
+            model=a.model,
+            data=a.data,
+            out=Path(a.out),
+            max_documents=a.max_documents,
+            block_size=a.block_size,
+            feature_layers=a.feature_layers,
+            draft_vocab_size=a.draft_vocab_size,
+            batch_size=a.batch_size,
+            eval_fraction=a.eval_fraction,
+        )
+    )
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
