@@ -1,4 +1,4 @@
-"""vLLM plain vs vLLM + our exported drafter vs vLLM n-gram, at batch 1, 8 and 32, with acceptance per position.
+"""vLLM plain vs vLLM + our exported drafters vs vLLM n-gram, at batch 1, 8 and 32, with acceptance per position.
 
 Why a separate script: vLLM lives in its own environment (its CPU build pins transformers and pulls its own
 stack), so this script drives it in subprocesses, one fresh `LLM` per configuration, and compares with our
@@ -6,6 +6,10 @@ own decoder run in-process on the same prompts with the same drafter (a chain of
 
     python -m mtp.bench.vllm_bench                         # the default model + shipped heads, all configs
     python bench/vllm_bench.py --max-tokens 64 --mtbench 8 --configs plain,mtp3
+    python bench/vllm_bench.py --configs plain,mtp1,eagle3,ngram3 --eagle-heads runs/eagle-x   # + an EAGLE-3 export
+
+Configs: plain, mtp<k> (the MTP export, k drafts), eagle<k> (an EAGLE-3 export, `--eagle-export-dir` or exported
+now from `--eagle-heads`), ngram<k> (vLLM's prompt lookup).
 
 Prompts: MT-Bench first turns (round-robin over categories) plus HELD_OUT, 8 customer-support and code
 prompts no training or tuning decision touched. Batch B submits B prompts to one `generate` call; batch 1
@@ -205,6 +209,81 @@ def ours_acceptance(model: Any, tokenizer: Any, prompts: list[str], max_tokens: 
     }
 
 
+def _chat_ids(tokenizer: Any, text: str) -> Any:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+
+
+def eagle_reference_acceptance(
+    model: Any, tokenizer: Any, prompts: list[str], answers: list[list[int]], max_tokens: int, chain: int
+) -> dict[str, Any]:
+    """What vLLM's EAGLE-3 chain should accept with this drafter (`model.heads`, head_type eagle) on these
+    greedy answers, computed from the drafter's own `step`/`logits`, the way vLLM drafts:
+
+    after every verify step (and after the prefill) with c tokens committed, the drafter's context is the
+    teacher-forced depth-0 entries at positions 0..c-2 (token x_{t+1}, fused base features g_t), and the
+    chain runs `chain` deep from position c-2, each depth reading the previous one's pre-norm output and its
+    own drafted token. A step accepts the longest prefix of the chain that equals the answer (the base's
+    greedy tokens), then commits it plus one token. Position j's rate counts the steps whose accepted run
+    reached j+1 drafts, over all steps (vLLM's `accepted_per_pos / num_drafts`). An answer that stopped at
+    `max_tokens` is extended by the base's greedy tokens, since vLLM counts drafts accepted past the limit.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from mtp.eagle import select_features
+
+    heads, base = model.heads, model.base_model
+    steps, reached = 0, [0] * chain
+    for text, answer in zip(prompts, answers, strict=True):
+        prompt = _chat_ids(tokenizer, text)
+        P, n_answer = prompt.shape[1], len(answer)
+        seq = torch.cat([prompt, torch.tensor([answer], dtype=prompt.dtype)], dim=1)
+        with torch.no_grad():
+            base_out = base(seq, output_hidden_states=True, use_cache=True)
+            g = heads.combine(select_features(base_out.hidden_states, heads.feature_layers))
+            # depth 0 over the whole answer at once: entry t reads x_{t+1} and g_t and sees entries <= t, so
+            # entries 0..c-2 of this pass are exactly the context vLLM holds when c tokens are committed
+            T = seq.shape[1] - 1
+            if n_answer >= max_tokens:  # the base's next greedy tokens, to check drafts past the limit
+                past, logits = base_out.past_key_values, base_out.logits[:, -1:]
+                for i in range(chain):
+                    seq = torch.cat([seq, logits.argmax(-1)], dim=1)
+                    if i + 1 < chain:
+                        step_out = base(seq[:, -1:], past_key_values=past, use_cache=True)
+                        past, logits = step_out.past_key_values, step_out.logits
+            full = DynamicCache()
+            mask = torch.full((T, T), torch.finfo(g.dtype).min, dtype=g.dtype).triu_(1)[None, None]
+            out0 = heads.step(g[:, :T], seq[:, 1 : T + 1], torch.arange(T)[None], mask, cache=full)
+            keys, values = full.layers[0].keys, full.layers[0].values
+            c = P + 1  # the prefill committed the prompt and the first answer token
+            while c - P < n_answer:
+                out = out0[:, c - 2 : c - 1]
+                cache = DynamicCache()
+                cache.update(keys[:, :, : c - 1].clone(), values[:, :, : c - 1].clone(), 0)
+                drafts = []
+                for j in range(chain):
+                    d = heads.draft_ids[heads.logits(out).argmax(-1)]  # (1, 1) base token id
+                    drafts.append(int(d))
+                    if j + 1 < chain:  # the next depth: this output and its draft, one position on
+                        pos = torch.tensor([[c - 1 + j]])
+                        out = heads.step(out, d, pos, torch.zeros(1, 1, 1, c + j, dtype=g.dtype), cache=cache)
+                truth = seq[0, c : c + chain].tolist()
+                accepted = 0
+                while accepted < min(chain, len(truth)) and drafts[accepted] == truth[accepted]:
+                    accepted += 1
+                steps += 1
+                for j in range(accepted):
+                    reached[j] += 1
+                c += accepted + 1
+    return {
+        "steps": steps,
+        "acceptance": [r / steps for r in reached] if steps else [],
+        "tau": sum(reached) / steps + 1 if steps else None,
+    }
+
+
 # ---- main -------------------------------------------------------------------------------------------------
 
 
@@ -252,11 +331,46 @@ def _markdown(res: dict[str, Any]) -> str:
             + ", ".join(f"{a:.2f}" for a in ours["acceptance"])
             + f", τ {ours['tau']:.2f}, {ours['tokens'] / ours['seconds']:.1f} tok/s (transformers eager).",
         ]
+    for ref in res.get("ours_eagle") or []:
+        lines += [
+            "",
+            f"EAGLE drafter reference (its own chain of {ref['chain']} on vLLM plain's batch-1 answers, fp32, "
+            "`eagle_reference_acceptance`): acceptance per position "
+            + ", ".join(f"{a:.2f}" for a in ref["acceptance"])
+            + f", τ {ref['tau']:.2f} over {ref['steps']} steps.",
+        ]
     for name, run in res["configs"].items():
         same = run.get("identical_to_plain")
         if same is not None:
             lines.append(f"- {name}: batch-1 outputs identical to vLLM plain: {same}")
     return "\n".join(lines) + "\n"
+
+
+def _eagle_export(args: argparse.Namespace, out_dir: Path) -> tuple[Any, Path, Path]:
+    """(the EAGLE model for the reference or None, the export directory (base), its eagle3/ draft)."""
+    from mtp.export_vllm import EXPORT_INFO
+
+    eagle_model = None
+    if args.eagle_export_dir:
+        export = Path(args.eagle_export_dir)
+    elif args.eagle_heads:
+        import torch
+
+        from mtp.export_vllm import export_vllm
+        from mtp.train.export import _load
+
+        eagle_model, eagle_tokenizer = _load(Path(args.eagle_heads), False, torch.float32)
+        if eagle_model.config.head_type != "eagle":
+            raise SystemExit(f"--eagle-heads {args.eagle_heads} holds {eagle_model.config.head_type!r} heads")
+        export = out_dir / "export-eagle"
+        export_vllm(eagle_model, export, dtype=args.dtype, tokenizer=eagle_tokenizer)
+    else:
+        raise SystemExit("eagle<k> configs need --eagle-export-dir or --eagle-heads (no EAGLE heads ship)")
+    info = json.loads((export / EXPORT_INFO).read_text()) if (export / EXPORT_INFO).is_file() else {}
+    spec = info.get("speculative_config") or {}
+    if spec.get("method") != "eagle3":
+        raise SystemExit(f"{export} is not an EAGLE-3 export (`mtp export <eagle heads> --to vllm`)")
+    return eagle_model, export, Path(spec["model"])
 
 
 def _identical(run: dict[str, Any], plain: dict[str, Any]) -> str:
@@ -267,7 +381,7 @@ def _identical(run: dict[str, Any], plain: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", default="plain,mtp1,mtp3,ngram3", help="plain, mtp<k>, ngram<k>, medusa")
+    parser.add_argument("--configs", default="plain,mtp1,mtp3,ngram3", help="plain, mtp<k>, eagle<k>, ngram<k>")
     parser.add_argument("--mtbench", type=int, default=24, help="MT-Bench first turns (round-robin)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,8,32")
@@ -275,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--export-dir", default=None, help="an `mtp export --to vllm` of head_type mtp (default: "
                         "export the shipped heads now)")  # fmt: skip
+    parser.add_argument("--eagle-export-dir", default=None, help="an `mtp export --to vllm` of head_type eagle "
+                        "(for eagle<k>)")  # fmt: skip
+    parser.add_argument("--eagle-heads", default=None, help="a checkpoint or training run with EAGLE heads, "
+                        "exported now (for eagle<k>; also gives the drafter's reference acceptance)")  # fmt: skip
     parser.add_argument("--no-ours", action="store_true", help="skip our own decoder's acceptance run")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -295,10 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) if args.out else RESULTS_DIR / stamp
     out_dir.mkdir(parents=True, exist_ok=True)
+    names = args.configs.split(",")
     model, tokenizer, _ = load_default_mtp(torch.float32)
     export_dir = Path(args.export_dir) if args.export_dir else out_dir / "export-mtp"
-    if not args.export_dir:
+    if not args.export_dir and any(n.startswith("mtp") for n in names):
         export_vllm(model, export_dir, dtype=args.dtype, tokenizer=tokenizer)
+    eagle_model, eagle_dir, eagle_draft = None, None, None
+    if any(n.startswith("eagle") for n in names):
+        eagle_model, eagle_dir, eagle_draft = _eagle_export(args, out_dir)
     base_dir = str(default_model_dir())
     try:
         import vllm
@@ -313,11 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     job = {"prompts": [p["text"] for p in prompts], "max_tokens": args.max_tokens, "batch_sizes": batch_sizes,
            "batch1_prompts": args.batch1_prompts, "dtype": args.dtype}  # fmt: skip
-    for name in args.configs.split(","):
+    for name in names:
         if name == "plain":
             model_dir, spec = base_dir, None
         elif name.startswith("mtp"):
             model_dir, spec = str(export_dir), {"method": "mtp", "num_speculative_tokens": int(name[3:])}
+        elif name.startswith("eagle"):
+            model_dir = str(eagle_dir)
+            spec = {"method": "eagle3", "model": str(eagle_draft), "num_speculative_tokens": int(name[5:])}
         elif name.startswith("ngram"):
             k = int(name[5:])
             model_dir, spec = base_dir, {"method": "ngram", "num_speculative_tokens": k,
@@ -337,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if name != "plain" and plain and "error" not in run and "error" not in plain:
             run["identical_to_plain"] = _identical(run, plain)
     if not args.no_ours:
-        chains = sorted({int(n[3:]) for n in args.configs.split(",") if n.startswith("mtp")})
+        chains = sorted({int(n[3:]) for n in names if n.startswith("mtp")})
         model.set_draft_vocab(None)  # the export drafts from the full vocabulary
         model = model.to(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
         res["ours"] = []
@@ -345,6 +470,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.strftime('%H:%M:%S')}] ours: chain {chain}", flush=True)
             ours = ours_acceptance(model, tokenizer, job["prompts"][: args.batch1_prompts], args.max_tokens, chain)
             res["ours"].append({"chain": chain, "dtype": args.dtype, **ours})
+        eagle_chains = sorted({int(n[5:]) for n in names if n.startswith("eagle")})
+        if eagle_model is not None and eagle_chains and plain and "error" not in plain:
+            answers = [plain["outputs"]["1"][str(i)] for i in range(args.batch1_prompts)]
+            res["ours_eagle"] = []
+            for chain in eagle_chains:
+                print(f"[{time.strftime('%H:%M:%S')}] EAGLE reference: chain {chain}", flush=True)
+                ref = eagle_reference_acceptance(eagle_model, tokenizer, job["prompts"][: args.batch1_prompts],
+                                                 answers, args.max_tokens, chain)  # fmt: skip
+                res["ours_eagle"].append({"chain": chain, **ref})
     (out_dir / "results.json").write_text(json.dumps(res, indent=1))
     (out_dir / "results.md").write_text(_markdown(res))
     print(_markdown(res))

@@ -10,6 +10,10 @@ with its own, unmodified model code, and returns the `speculative_config` that s
   head_type "medusa"  -> the base as it is plus a `medusa/` draft (vLLM's `MedusaModel`: `blocks.{h}.layers.
                          {l}` with biases, one shared `lm_head` via `original_lm_head`), served with
                          {"method": "medusa", "model": "<out>/medusa"}. This mapping is exact.
+  head_type "eagle"   -> the base as it is plus an `eagle3/` draft in the `speculators` format (vLLM's
+                         `Eagle3LlamaForCausalLM`: EAGLE-3's own tensor names, `d2t` for a draft vocabulary),
+                         served with {"method": "eagle3", "model": "<out>/eagle3"} or, the method and depth
+                         read from its config, as `vllm serve <out>/eagle3`. This mapping is exact.
 
 Where vLLM's model differs from ours the mapping is not exact, and the exporter says how (`notes`):
 
@@ -32,6 +36,14 @@ Where vLLM's model differs from ours the mapping is not exact, and the exporter 
   drafting costs more).
 * vLLM drafts a chain of top-1 tokens (no trees), and its Medusa proposer always drafts one token per
   head: serve a Medusa export with num_speculative_tokens = its number of heads.
+* EAGLE-3 (checked in vLLM 0.32's source): vLLM's aux hidden state for layer id i is `hidden + residual`
+  entering decoder layer i (id 0: the embeddings), which is transformers' `hidden_states[i]` for i < L;
+  transformers' `hidden_states[L]` is after the final norm, vLLM's id L before it, so a drafter reading
+  layer L is refused. vLLM concatenates the aux states in increasing layer order (it sorts the ids), so
+  `fc`'s column blocks are written in that order. The next depth reads the pre-norm output
+  (`norm_output` false), the residual is the raw fused feature (`norm_before_residual` false: the
+  speculators loader defaults it to true, so it is written out), and the drafter's embedding, absent from
+  the checkpoint, is the target's own (vLLM shares it).
 """
 
 from __future__ import annotations
@@ -51,15 +63,17 @@ from .files import share_weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS_NAME = "model.safetensors"
 MEDUSA_DIR = "medusa"
+EAGLE3_DIR = "eagle3"
 EXPORT_INFO = "mtp_vllm_export.json"  # what was exported and how to serve it (read by the bench and tests)
 
 # Bases whose decoder layer is the Llama layout MiMo's Qwen2 blocks reproduce (RMSNorm, rotary attention,
 # SwiGLU MLP, no MLP bias).
 _QWEN2_LIKE = ("llama", "qwen2", "mistral")
+# Bases (HF model_type) whose vLLM model class offers EAGLE-3's aux hidden states (`SupportsEagle3`, fed by
+# `EagleModelMixin._maybe_add_hidden_state` at each layer's input) in vLLM 0.32. Others refuse `eagle3`.
+_EAGLE3_TARGETS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "granite", "minicpm")
 # Head types that have no vLLM format, and why (anything not in EXPORTERS either is unknown).
 UNSUPPORTED = {
-    "eagle": "the recurrent EAGLE-style drafter (head_type 'eagle') does not exist in mtp yet; when it does it "
-    "maps to vLLM's 'eagle' / 'eagle3' formats (a one-layer Llama draft over the base's features)",
     "draft_lm": "a draft_lm head is a standalone small model, not heads: write it with `mtp export --assistant` "
     "(a plain HF checkpoint) and give vLLM that directory as speculative_config "
     '{"method": "draft_model", "model": "<dir>"} (not verified here)',
@@ -286,8 +300,9 @@ def medusa_config(model: nn.Module, num_heads: int, dtype: torch.dtype) -> dict[
     }
 
 
-def _export_medusa(model: nn.Module, out: Path, dtype: torch.dtype, num_heads: int) -> VLLMExport:
-    base = model.base_model  # the target as it is, in `dtype`
+def _write_base(model: nn.Module, out: Path, dtype: torch.dtype) -> None:
+    """The target as it is, in `dtype` (its own config and names: vLLM serves it with its own class)."""
+    base = model.base_model
     cfg = {k: v for k, v in base.config.to_dict().items() if k not in ("_name_or_path", "quantization_config")}
     cfg.update(dtype=str(dtype).removeprefix("torch."), torch_dtype=str(dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -295,6 +310,10 @@ def _export_medusa(model: nn.Module, out: Path, dtype: torch.dtype, num_heads: i
     if model.info.tied_embeddings:
         state.pop("lm_head.weight", None)
     _save(state, out / WEIGHTS_NAME, dtype)
+
+
+def _export_medusa(model: nn.Module, out: Path, dtype: torch.dtype, num_heads: int) -> VLLMExport:
+    _write_base(model, out, dtype)
     draft = out / MEDUSA_DIR
     draft.mkdir(exist_ok=True)
     _save(medusa_state_dict(model, num_heads), draft / WEIGHTS_NAME, dtype)
@@ -307,7 +326,131 @@ def _export_medusa(model: nn.Module, out: Path, dtype: torch.dtype, num_heads: i
     return VLLMExport(path=out, speculative_config=spec, notes=notes)
 
 
+# ---- head_type "eagle" -> an EAGLE-3 draft in the speculators format (vLLM Eagle3LlamaForCausalLM) ------------
+
+
+def eagle3_layer_ids(heads: nn.Module, num_layers: int) -> list[int]:
+    """The base layers the drafter reads, as vLLM's `eagle_aux_hidden_state_layer_ids` (increasing: vLLM
+    sorts them and concatenates in that order), refusing what vLLM would feed differently."""
+    layers = [int(i) for i in heads.feature_layers]
+    if len(set(layers)) != len(layers):
+        raise ValueError(
+            f"cannot export an EAGLE drafter reading layers {layers} to vLLM: vLLM keeps each aux layer once "
+            "(a set), so a repeated layer leaves fc without its input"
+        )
+    if max(layers) >= num_layers:
+        raise ValueError(
+            f"cannot export an EAGLE drafter reading layer {max(layers)} of a {num_layers}-layer base to vLLM: "
+            f"transformers' hidden_states[{num_layers}] is after the final norm, vLLM's aux layer "
+            f"{num_layers} before it; layers 0..{num_layers - 1} (the inputs of decoder layers) map exactly"
+        )
+    return sorted(layers)
+
+
+def eagle3_state_dict(heads: nn.Module) -> dict[str, torch.Tensor]:
+    """EAGLE-3 checkpoint tensors: `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight` (+ `d2t`, `t2d`).
+
+    fc's column blocks follow the increasing layer order vLLM concatenates in. The draft vocabulary is
+    written sorted (EAGLE-3's convention: d2t >= 0): `d2t[i] = target id of draft i - i` (vLLM maps draft
+    logit i to token i + d2t[i]), `t2d` marks the target ids in the draft vocabulary (vLLM ignores it).
+    With the full vocabulary there is no d2t (vLLM has no mapping then: its lm_head rows are token ids), so
+    lm_head's rows are put in token order. The embedding is not written: vLLM shares the target's.
+    """
+    d, layers = heads.hidden_size, [int(i) for i in heads.feature_layers]
+    order = sorted(range(len(layers)), key=lambda i: layers[i])
+    fc = heads.fc.weight
+    out = {"fc.weight": torch.cat([fc[:, i * d : (i + 1) * d] for i in order], dim=1)}
+    out.update({f"midlayer.{name}": t for name, t in heads.midlayer.state_dict().items()})
+    out["norm.weight"] = heads.norm.weight
+    ids = heads.draft_ids.detach().cpu().long()
+    ids, rows = torch.sort(ids)
+    out["lm_head.weight"] = heads.lm_head.weight[rows.to(heads.lm_head.weight.device)]
+    if ids.numel() < heads.vocab_size:
+        out["d2t"] = ids - torch.arange(ids.numel())
+        t2d = torch.zeros(heads.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        out["t2d"] = t2d
+    return out
+
+
+# PreTrainedConfig bookkeeping that says nothing about the drafter layer (token ids: the target's apply).
+_GENERIC_CONFIG_KEYS = (
+    "_name_or_path", "architectures", "transformers_version", "_attn_implementation_autoset", "output_hidden_states",
+    "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type", "pad_token_id", "bos_token_id", "eos_token_id",
+)  # fmt: skip
+
+
+def eagle3_config(model: nn.Module, num_heads: int, dtype: torch.dtype, verifier: str) -> dict[str, Any]:
+    """The speculators `Eagle3SpeculatorConfig` that vLLM's `SpeculatorsConfig` reads (no `model_type`: vLLM
+    recognises the format by `speculators_config`). `transformer_layer_config` is written in full: vLLM
+    builds a bare `PreTrainedConfig` from it, so nothing falls back to LlamaConfig's defaults."""
+    heads, base = model.heads, model.base_model
+    name = str(dtype).removeprefix("torch.")
+    layer = {k: v for k, v in heads.config.to_dict().items() if k not in _GENERIC_CONFIG_KEYS}
+    layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False, dtype=name)
+    rope = layer.get("rope_parameters") or {}
+    if "rope_theta" not in layer and "rope_theta" in rope:  # the pre-5.x key, for older readers
+        layer["rope_theta"] = rope["rope_theta"]
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.3.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": heads.draft_vocab_size,
+        "target_hidden_size": heads.hidden_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": eagle3_layer_ids(heads, base.config.num_hidden_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": num_heads,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],  # fmt: skip
+            "verifier": {"name_or_path": verifier, "architectures": list(model.info.architectures)},
+        },
+        "dtype": name,
+        "torch_dtype": name,
+    }
+
+
+def _export_eagle(model: nn.Module, out: Path, dtype: torch.dtype, num_heads: int) -> VLLMExport:
+    kind = model.base_model.config.model_type
+    if kind not in _EAGLE3_TARGETS:
+        raise ValueError(
+            f"cannot export an EAGLE drafter on a {kind!r} base to vLLM: vLLM 0.32 feeds EAGLE-3 drafters only "
+            f"from targets with its SupportsEagle3 interface; bases known to work: {_EAGLE3_TARGETS}"
+        )
+    config = eagle3_config(model, num_heads, dtype, verifier=str(out.resolve()))  # refuses unmappable layers
+    _write_base(model, out, dtype)
+    draft = out / EAGLE3_DIR
+    draft.mkdir(exist_ok=True)
+    _save(eagle3_state_dict(model.heads), draft / WEIGHTS_NAME, dtype)
+    (draft / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    notes = [
+        "vLLM drafts one top-1 chain of num_speculative_tokens with the drafter (no tree); the verifier named "
+        f"in {EAGLE3_DIR}/config.json is this directory, so `vllm serve {draft}` serves it as well",
+    ]
+    layers = [int(i) for i in model.heads.feature_layers]
+    if layers != sorted(layers):
+        notes.append(f"feature layers {layers} are written in vLLM's increasing order (fc's columns permuted)")
+    if model.draft_vocab is not None:
+        notes.append("the MTPModel-level draft vocabulary does not apply: the EAGLE drafter has its own "
+                     f"({model.heads.draft_vocab_size} tokens, written as d2t)")  # fmt: skip
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_heads}
+    return VLLMExport(path=out, speculative_config=spec, notes=notes)
+
+
 EXPORTERS: dict[str, Callable[[nn.Module, Path, torch.dtype, int], VLLMExport]] = {
     "mtp": _export_mtp,
     "medusa": _export_medusa,
+    "eagle": _export_eagle,
 }

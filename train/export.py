@@ -9,6 +9,7 @@ on the original base is refused.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +79,16 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_
 
 def _export_vllm(model: MTPModel, tokenizer: Any, out: Path, dtype: str, draft_vocab: int,
                  draft_data: str | Path | None) -> Path:  # fmt: skip
-    from mtp.export_vllm import export_vllm
+    from mtp.export_vllm import EXPORT_INFO, export_vllm
 
     if draft_vocab:
         model.set_draft_vocab(_draft_vocab(Path(draft_data), draft_vocab, model, tokenizer))
     result = export_vllm(model, out, dtype=dtype, tokenizer=tokenizer)
     for note in result.notes:
         print(f"note: {note}")
+    print(f"speculative_config: {json.dumps(result.speculative_config)}")
     print(f"serve it with: {result.serve_command()}")
+    print(f"(both written to {out / EXPORT_INFO})")
     return result.path
 
 
