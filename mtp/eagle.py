@@ -42,7 +42,8 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     """Low, middle and high layers, as vLLM picks them for EAGLE-3 targets: (2, L // 2, L - 3)."""
     if num_layers < 4:
         return (num_layers - 1,) if num_layers >= 1 else (0,)
-    return (2, num_layers // 2, num_layers - 3)
+    # distinct and ascending: vLLM sorts and de-duplicates the ids (4-6-layer bases would repeat one)
+    return tuple(sorted({2, num_layers // 2, num_layers - 3}))
 
 
 def select_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...] | None) -> torch.Tensor:
