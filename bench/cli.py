@@ -45,7 +45,8 @@ def bench(
     methods: str = typer.Option(ALL_METHODS, help="Comma-separated subset of: " + ALL_METHODS),
     tree: str = typer.Option("default", help="Tree for the 'tree' method: default | <node count> | JSON paths."),
     extra_heads: str = typer.Option(
-        "", help="More heads on the same base, 'name=dir,...': each adds '<name>-chain' and '<name>-tree' (heads only)."
+        "",
+        help="More heads on the same base, 'name=dir,...': adds '<name>-<m>' per requested chain/tree/auto.",
     ),
     assistant: str = typer.Option(
         "", help="Draft model dir for 'assisted' (from `mtp export --assistant`); empty: an untrained layer-skip one."
@@ -107,8 +108,11 @@ def bench(
             if not directory:
                 raise typer.BadParameter(f"--extra-heads wants name=dir, got {spec!r}")
             other = MTPModel.from_pretrained(directory.strip(), base_model=mtp_model.base_model)
-            table[f"{label.strip()}-chain"] = ours(other, "chain")
-            table[f"{label.strip()}-tree"] = ours(other, _parse_tree(tree))
+            # the other heads under the requested policies among chain/tree/auto (chain and tree if none is)
+            policies = [m for m in ("chain", "tree", "auto") if m in wanted] or ["chain", "tree"]
+            for m in policies:
+                spec = {"chain": "chain", "tree": _parse_tree(tree), "auto": None}[m]
+                table[f"{label.strip()}-{m}"] = ours(other, spec, prompt_lookup=m == "auto")
         mtp_model.generate(first[0][2][:, :8], max_new_tokens=4)  # warm-up
         for set_name, set_prompts in sets.items():
             typer.echo(f"[{dt}] {set_name}: {len(set_prompts)} prompts x {list(table)}")
