@@ -204,8 +204,13 @@ def load_default_model(
     return model.eval(), tokenizer
 
 
-# Heads trained for the default model and shipped inside the package (heads only, safetensors).
-SHIPPED_HEADS_DIR = Path(__file__).parent / "assets" / "smollm2-135m-instruct-heads"
+# Heads trained for the default model and shipped inside the package (heads only, safetensors), by name:
+# every command's `--heads` takes these names as well as directories.
+SHIPPED_HEADS = {
+    "mtp": Path(__file__).parent / "assets" / "smollm2-135m-instruct-heads",  # 3 MTP modules (the default)
+    "eagle": Path(__file__).parent / "assets" / "smollm2-135m-instruct-eagle",  # the EAGLE-3-style drafter
+}
+SHIPPED_HEADS_DIR = SHIPPED_HEADS["mtp"]  # the default
 # `base_model_name_or_path` value meaning "the embedded default model", so shipped heads carry no
 # machine-specific path.
 DEFAULT_BASE_SENTINEL = "default"
@@ -214,6 +219,15 @@ DEFAULT_BASE_SENTINEL = "default"
 def default_heads_dir() -> Path | None:
     """The heads shipped for the default model, or None in an install that has none."""
     return SHIPPED_HEADS_DIR if (SHIPPED_HEADS_DIR / "mtp_config.json").is_file() else None
+
+
+def resolve_heads(heads: str | Path | None) -> Path:
+    """A shipped head set's name (`SHIPPED_HEADS`), a directory, or None (the default shipped heads)."""
+    if heads is None:
+        return SHIPPED_HEADS_DIR
+    if isinstance(heads, str) and heads in SHIPPED_HEADS:
+        return SHIPPED_HEADS[heads]
+    return Path(heads)
 
 
 def load_default_mtp(torch_dtype: torch.dtype = torch.float32, heads_dir: str | Path | None = None):
@@ -225,7 +239,7 @@ def load_default_mtp(torch_dtype: torch.dtype = torch.float32, heads_dir: str | 
     from .model import MTPModel
 
     base, tokenizer = load_default_model(torch_dtype)
-    directory = Path(heads_dir) if heads_dir is not None else SHIPPED_HEADS_DIR
+    directory = resolve_heads(heads_dir)
     if (directory / "mtp_config.json").is_file():
         model = MTPModel.from_pretrained(directory, base_model=base)
         trained = True

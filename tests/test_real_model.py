@@ -21,12 +21,18 @@ pytestmark = pytest.mark.skipif(
 NEW_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def shipped():
-    from mtp.default_model import load_default_mtp
+@pytest.fixture(scope="module", params=["default", "mtp", "eagle"])
+def shipped(request):
+    """Each head set shipped for the default model (by name), and the default one."""
+    from mtp.default_model import SHIPPED_HEADS, load_default_mtp
 
-    model, tokenizer, trained = load_default_mtp(torch.float32)
+    if request.param != "default" and request.param not in SHIPPED_HEADS:
+        pytest.fail(f"no shipped head set named {request.param!r}")
+    name = None if request.param == "default" else request.param
+    model, tokenizer, trained = load_default_mtp(torch.float32, name)
     assert trained, "the shipped heads are missing from mtp/assets/"
+    if name is not None:
+        assert model.config.head_type == name
     return model, tokenizer
 
 
