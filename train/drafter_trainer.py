@@ -178,6 +178,23 @@ def _latest(out: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def default_tree_size(accuracies: list[list[float]]) -> int:
+    """The default tree size: the ladder size with the most expected tokens per unit of step cost.
+
+    Chosen from the drafter's held-out rank accuracies and the bf16 verify-cost prior (plus the drafting
+    overhead per depth), never from a benchmark: a deeper drafter earns a bigger tree than the 16-node
+    default, and how much bigger follows from how accurate its depths are.
+    """
+    from mtp.adaptive import DRAFT_OVERHEAD, LADDER, PRIOR_COST_HALF
+    from mtp.tree import build_tree
+
+    def rate(n: int) -> float:
+        tree = build_tree(n, len(accuracies), accuracies)
+        return tree.expected_length(accuracies) / (PRIOR_COST_HALF[n] + DRAFT_OVERHEAD * tree.depth / 3)
+
+    return max((n for n in LADDER if n >= 4), key=rate)
+
+
 def export_drafter(drafter: Any, base: Any, out: Path, metrics: dict | None = None) -> Path:
     """Write the drafter as a heads-only MTP checkpoint (bf16) that `MTPModel.from_pretrained` loads."""
     from mtp.model import MTPModel
@@ -188,6 +205,7 @@ def export_drafter(drafter: Any, base: Any, out: Path, metrics: dict | None = No
     if metrics is not None and metrics.get("heldout", {}).get("rank_probs"):
         # what the tree builder reads: P(rank r of depth k is the base's token), measured held out
         model.config.head_accuracies = metrics["heldout"]["rank_probs"][: drafter.num_heads]
+        model.config.tree_nodes = default_tree_size(model.config.head_accuracies)
     target = out / "drafter"
     model.save_pretrained(target, heads_only=True)
     if metrics is not None:
