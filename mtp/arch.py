@@ -43,6 +43,15 @@ def _first_attr(config, names: tuple[str, ...]) -> int | None:
     return None
 
 
+def norm_eps(config, default: float = 1e-6) -> float:
+    """The epsilon of the config's normalisation layers, whatever the architecture calls it."""
+    for name in ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"):
+        value = getattr(config, name, None)
+        if value:
+            return float(value)
+    return default
+
+
 def describe(base_model: nn.Module) -> BaseInfo:
     """Read the base model's shape facts; raise a clear error if something essential is missing."""
     config = _text_config(base_model.config)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .arch import _first_attr, _text_config, describe
+from .arch import _first_attr, _text_config, describe, norm_eps
 from .heads import register_head
 from .mtp_modules import _final_norm, _Shared, decoder_layers
 
@@ -107,14 +107,7 @@ def drafter_config(base_model: nn.Module) -> Any:
     kv = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or d // heads
     inter = _first_attr(c, ("intermediate_size", "n_inner", "ffn_dim")) or 4 * d
-    eps = next(
-        (
-            float(v)
-            for v in (getattr(c, n, None) for n in ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"))
-            if v
-        ),
-        1e-6,
-    )
+    eps = norm_eps(c)
     rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 1e4)}
     config = LlamaConfig(
         hidden_size=d,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .arch import _first_attr, _text_config, describe
+from .arch import _first_attr, _text_config, describe, norm_eps
 from .heads import register_head
 
 
@@ -190,14 +190,7 @@ class MTPModules(nn.Module):
         takes_idx = "layer_idx" in inspect.signature(layer_cls.__init__).parameters
         sources = list(layers)[-num_layers:]
         base_norm = _final_norm(base_model, hidden_size, layers)
-        eps = next(
-            (
-                float(v)
-                for v in (getattr(config, n, None) for n in ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"))
-                if v
-            ),
-            1e-6,
-        )
+        eps = norm_eps(config)
 
         def block(j: int) -> nn.Module:
             b = layer_cls(config, layer_idx=j) if takes_idx else layer_cls(config)

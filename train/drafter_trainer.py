@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -165,8 +166,6 @@ def _save(directory: Path, drafter: Any, optim: torch.optim.Optimizer, step: int
     torch.save({"optim": optim.state_dict(), "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **extra}))
     if directory.exists():
-        import shutil
-
         shutil.rmtree(directory)
     tmp.rename(directory)
 
@@ -314,8 +313,6 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         if step % opts.save_every == 0 or step == opts.max_steps or timed_out:
             _save(out / f"checkpoint-{step}", drafter, optim, step, {"tokens": tokens_done})
             for old in sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
-                import shutil
-
                 shutil.rmtree(old, ignore_errors=True)
         if timed_out:
             stop_reason = "max_minutes"
