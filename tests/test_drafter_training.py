@@ -133,3 +133,32 @@ def test_kill_and_resume(tmp_path, features):
     b = load_file(str(killed / f"checkpoint-{target}" / "drafter.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_init_from_warm_starts_a_new_run(tmp_path, features):
+    """A new run from an earlier drafter starts from its weights (checkpoint or export), with a fresh
+    schedule, and is refused when the draft vocabulary differs."""
+    model, feats, _ = features
+    first = tmp_path / "first"
+    train_drafter(_opts(model, feats, first, max_steps=40, eval_every=40, save_every=40))
+    warm = train_drafter(_opts(model, feats, tmp_path / "warm", init_from=first / "checkpoint-40", max_steps=3))
+    cold = json.loads((first / "eval_untrained.json").read_text())["top1"]
+    trained = json.loads((first / "result.json").read_text())["heldout"]["top1"]
+    # the warm run's step-0 evaluation is the first run's final one, far above an untrained drafter
+    assert warm["untrained"]["top1"] == pytest.approx(trained, abs=1e-3)
+    assert warm["untrained"]["top1"][0] > cold[0] + 0.05
+    first_lr = json.loads((tmp_path / "warm" / "metrics.jsonl").read_text().splitlines()[0])["lr"]
+    assert first_lr == pytest.approx(3e-3 / 5)  # warmup starts again
+    # the bf16 export works as a starting point too
+    from_export = train_drafter(_opts(model, feats, tmp_path / "exp", init_from=first / "drafter", max_steps=1))
+    assert from_export["untrained"]["top1"][0] > cold[0] + 0.05
+    # a drafter over another draft vocabulary is refused, with the reason
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    w = load_file(str(first / "checkpoint-40" / "drafter.safetensors"))
+    w["draft_ids"] = w["draft_ids"].flip(0).contiguous()
+    from safetensors.torch import save_file
+
+    save_file(w, str(bad / "drafter.safetensors"))
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        train_drafter(_opts(model, feats, tmp_path / "refused", init_from=bad, max_steps=1))

@@ -16,8 +16,9 @@ count as misses).
 Checkpoints every ``save_every`` steps (drafter safetensors, optimizer state loaded with
 ``weights_only=True``, step, RNG): rerunning the same command resumes; the data order is a function of
 (seed, epoch). ``max_minutes`` ends a run cleanly (checkpoint + export) for time-boxed jobs, without
-changing the lr schedule. The result is an MTP checkpoint directory (heads only, pointing at the base) that
-`MTPModel.from_pretrained` and every `mtp` command load.
+changing the lr schedule; ``init_from`` starts a new run (new schedule) from an earlier drafter's weights,
+which is how a drafter keeps learning across time-boxed runs. The result is an MTP checkpoint directory
+(heads only, pointing at the base) that `MTPModel.from_pretrained` and every `mtp` command load.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class DrafterOptions:
     save_every: int = 50
     seed: int = 0
     threads: int | None = None
+    # warm start: the weights of an earlier drafter (a checkpoint-N directory or an exported drafter) trained
+    # on the same draft vocabulary; the optimizer, the lr schedule and the step count start fresh
+    init_from: Path | None = None
 
 
 def _load_split(directory: Path) -> dict[str, torch.Tensor]:
@@ -101,6 +105,9 @@ def depth_losses(
         logits = drafter.unroll(aux.float(), ids, steps)
     losses, acc = [], []
     draft_ids = drafter.draft_ids
+    with torch.no_grad():
+        # the teacher at positions 1..T-2, computed once: every depth reads a shifted window of it
+        teacher_all = F.softmax(final[:, 1 : T - 1].float() @ teacher_w.T, dim=-1)
     for j, lg in enumerate(logits):
         # entry (j, t) guesses x_{t+j+2}; the teacher's distribution for it is at position p = t+j+1
         L = T - j - 2
@@ -113,7 +120,7 @@ def depth_losses(
             continue
         student = lg[:, :L][valid].float()
         with torch.no_grad():
-            teacher = F.softmax(final[:, j + 1 : j + 1 + L][valid].float() @ teacher_w.T, dim=-1)
+            teacher = teacher_all[:, j : j + L][valid]
             greedy = target[:, j + 1 : j + 1 + L][valid]
             correct = int((draft_ids[student.argmax(-1)] == greedy).sum())
             if ranks is not None:
@@ -168,6 +175,32 @@ def _save(directory: Path, drafter: Any, optim: torch.optim.Optimizer, step: int
     if directory.exists():
         shutil.rmtree(directory)
     tmp.rename(directory)
+
+
+def _init_from(drafter: Any, source: Path) -> None:
+    """Load an earlier drafter's weights (checkpoint or export); refuse a different shape or draft vocabulary,
+    since the cached features pick the vocabulary and a mismatch would silently train the wrong rows."""
+    from safetensors.torch import load_file
+
+    for name in ("drafter.safetensors", "mtp_heads.safetensors"):
+        if (source / name).is_file():
+            weights = load_file(str(source / name))
+            break
+    else:
+        raise FileNotFoundError(f"--init-from {source}: no drafter.safetensors or mtp_heads.safetensors there")
+    own = drafter.state_dict()
+    weights = {k: v for k, v in weights.items() if k in own}
+    missing = sorted(set(own) - set(weights))
+    if missing:
+        raise ValueError(f"--init-from {source}: not an EAGLE drafter of this layout (missing {missing[:3]})")
+    for k, v in weights.items():
+        if v.shape != own[k].shape:
+            shapes = f"{tuple(v.shape)} there, {tuple(own[k].shape)} here"
+            raise ValueError(f"--init-from {source}: {k} has shape {shapes}")
+    if not torch.equal(weights["draft_ids"].long(), own["draft_ids"].long()):
+        raise ValueError(f"--init-from {source}: its draft vocabulary differs from the cached features'")
+    drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
+    print(f"initialised from {source}")
 
 
 def _latest(out: Path) -> Path | None:
@@ -246,6 +279,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     optim = torch.optim.AdamW(drafter.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, betas=(0.9, 0.95))
     step = 0
     ckpt = _latest(out)
+    if ckpt is None and opts.init_from is not None:
+        _init_from(drafter, Path(opts.init_from))
     if ckpt is not None:
         drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")))
         state = torch.load(ckpt / "optimizer.pt", weights_only=True)
@@ -350,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in asdict(d).items():
         flag = "--" + name.replace("_", "-")
         kind = type(value) if value is not None else (float if name == "max_minutes" else int)
-        if isinstance(value, Path):
+        if isinstance(value, Path) or name == "init_from":
             kind = Path
         p.add_argument(flag, type=kind, default=value)
     a = p.parse_args(argv)
