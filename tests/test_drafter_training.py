@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,3 +163,53 @@ def test_init_from_warm_starts_a_new_run(tmp_path, features):
     save_file(w, str(bad / "drafter.safetensors"))
     with pytest.raises(ValueError, match="draft vocabulary"):
         train_drafter(_opts(model, feats, tmp_path / "refused", init_from=bad, max_steps=1))
+
+
+def test_conditional_rank_probabilities_follow_the_draft_chain(tmp_path, features):
+    """cond_rank_probs counts depth j only where depths < j drafted the teacher's token (which the text then
+    continues with), checked against a loop over positions; the export hands them to the tree builder."""
+    from mtp.train.drafter_trainer import RANKS, _batch, _load_split, default_tree_size, depth_losses
+    from mtp.train.features import VOCAB
+
+    model, feats, _ = features
+    run = tmp_path / "run"
+    train_drafter(_opts(model, feats, run, max_steps=60, eval_every=60, save_every=60))
+    from mtp import MTPModel
+
+    m = MTPModel.from_pretrained(run / "drafter")
+    drafter = m.heads.float().eval()
+    vocab = torch.tensor(json.loads((feats / VOCAB).read_text()))
+    teacher_w = m.base_model.get_output_embeddings().weight.detach()[vocab].float()
+    held = _load_split(feats / "eval")
+    batch = _batch(held, list(range(min(4, held["input_ids"].shape[0]))))
+    steps = 3
+    counts = [torch.zeros(RANKS + 1, dtype=torch.long) for _ in range(steps)]
+    with torch.no_grad():
+        depth_losses(drafter, teacher_w, batch, steps, None, counts)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = drafter.unroll(batch["aux"].float(), batch["input_ids"], steps)
+    ids, target, mask = batch["input_ids"], batch["target"], batch["loss_mask"]
+    B, T = ids.shape
+    expect = [torch.zeros(RANKS + 1, dtype=torch.long) for _ in range(steps)]
+    for b in range(B):
+        for t in range(T):
+            for j in range(steps):
+                if t + j + 2 >= T or not mask[b, t + j + 2]:
+                    break
+                row = logits[j][b, t].float()
+                greedy = int(target[b, t + j + 1])
+                top = drafter.draft_ids[row.topk(RANKS).indices].tolist()
+                expect[j][top.index(greedy) if greedy in top else RANKS] += 1
+                if top[0] != greedy or int(ids[b, t + j + 2]) != greedy:
+                    break  # the chain stops: deeper depths at t would never be verified
+    for j in range(steps):
+        assert torch.equal(counts[j], expect[j]), (j, counts[j], expect[j])
+    assert int(expect[1].sum()) < int(expect[0].sum())
+    # the export reads the conditional probabilities; --export-only redoes it from the last checkpoint
+    shutil.rmtree(run / "drafter")
+    res = train_drafter(_opts(model, feats, run, max_steps=60, export_only=True))
+    assert res["stop_reason"] == "export_only" and res["steps"] == 60
+    cfg = json.loads((run / "drafter" / "mtp_config.json").read_text())
+    assert cfg["head_accuracies"] == res["heldout"]["cond_rank_probs"]
+    assert cfg["tree_nodes"] == default_tree_size(cfg["head_accuracies"])
+    assert res["heldout"]["cond_counts"][0] > res["heldout"]["cond_counts"][-1]

@@ -17,7 +17,10 @@ Checkpoints every ``save_every`` steps (drafter safetensors, optimizer state loa
 ``weights_only=True``, step, RNG): rerunning the same command resumes; the data order is a function of
 (seed, epoch). ``max_minutes`` ends a run cleanly (checkpoint + export) for time-boxed jobs, without
 changing the lr schedule; ``init_from`` starts a new run (new schedule) from an earlier drafter's weights,
-which is how a drafter keeps learning across time-boxed runs. The result is an MTP checkpoint directory
+which is how a drafter keeps learning across time-boxed runs; ``export_only`` evaluates and exports the
+latest checkpoint. The export carries, per depth, P(rank r is the base's token | the chain above it was
+accepted), measured on the cache's eval blocks: the tree builder multiplies these along a path, so they
+must be conditional. The result is an MTP checkpoint directory
 (heads only, pointing at the base) that `MTPModel.from_pretrained` and every `mtp` command load.
 """
 
@@ -60,6 +63,7 @@ class DrafterOptions:
     # warm start: the weights of an earlier drafter (a checkpoint-N directory or an exported drafter) trained
     # on the same draft vocabulary; the optimizer, the lr schedule and the step count start fresh
     init_from: Path | None = None
+    export_only: bool = False  # evaluate the latest checkpoint and export it, without training further
 
 
 def _load_split(directory: Path) -> dict[str, torch.Tensor]:
@@ -92,12 +96,21 @@ RANKS = 8  # rank probabilities kept per depth for the tree builder (MTPConfig.h
 
 
 def depth_losses(
-    drafter: Any, teacher_w: torch.Tensor, batch: dict[str, torch.Tensor], steps: int, ranks: list | None = None
+    drafter: Any,
+    teacher_w: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    steps: int,
+    ranks: list | None = None,
+    cond_ranks: list | None = None,
 ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
     """Per-depth soft cross-entropy (mean over valid positions) and (correct, counted) top-1 per depth.
 
     With `ranks` (a list of per-depth count tensors of size RANKS+1), also counts at which rank of the
-    drafter's list the teacher's greedy token sits (index RANKS: not in the top RANKS)."""
+    drafter's list the teacher's greedy token sits (index RANKS: not in the top RANKS). `cond_ranks` counts
+    the same only where the draft chain up to that depth would have been accepted (every shallower depth's
+    top-1 was the teacher's greedy token, which is also the text's next token): what the tree builder's
+    independence model needs, P(rank r right | parent right). Unconditional counts understate the deep
+    depths, since a depth's misses cluster where a shallower depth already missed."""
     aux, ids, final = batch["aux"], batch["input_ids"], batch["final"]
     mask, target = batch["loss_mask"], batch["target"]
     B, T = ids.shape
@@ -108,12 +121,27 @@ def depth_losses(
     with torch.no_grad():
         # the teacher at positions 1..T-2, computed once: every depth reads a shifted window of it
         teacher_all = F.softmax(final[:, 1 : T - 1].float() @ teacher_w.T, dim=-1)
+    chain = torch.ones(B, T, dtype=torch.bool)  # the chain at t was accepted up to this depth
     for j, lg in enumerate(logits):
         # entry (j, t) guesses x_{t+j+2}; the teacher's distribution for it is at position p = t+j+1
         L = T - j - 2
         if L <= 0:
             break
         valid = mask[:, j + 2 : j + 2 + L]
+        if cond_ranks is not None:
+            with torch.no_grad():
+                greedy_all = target[:, j + 1 : j + 1 + L]
+                cond = valid & chain[:, :L]
+                top = draft_ids[lg[:, :L][cond].float().topk(RANKS, dim=-1).indices]
+                g = greedy_all[cond]
+                found = top == g[:, None]
+                where = torch.where(found.any(-1), found.float().argmax(-1), torch.full_like(g, RANKS))
+                cond_ranks[j] += torch.bincount(where, minlength=RANKS + 1)
+                # accepted, and the text goes on with that token (so depth j+1 reads what drafting would)
+                ok = (draft_ids[lg[:, :L].argmax(-1)] == greedy_all) & (ids[:, j + 2 : j + 2 + L] == greedy_all)
+                nxt = torch.zeros_like(chain)
+                nxt[:, :L] = chain[:, :L] & ok & valid
+                chain = nxt
         if not valid.any():
             losses.append(lg.sum() * 0.0)
             acc.append((0, 0))
@@ -145,10 +173,16 @@ def evaluate(drafter: Any, teacher_w: torch.Tensor, data: dict[str, torch.Tensor
     drafter.eval()
     tot = [[0, 0] for _ in range(steps)]
     rank_counts = [torch.zeros(RANKS + 1, dtype=torch.long) for _ in range(steps)]
+    cond_counts = [torch.zeros(RANKS + 1, dtype=torch.long) for _ in range(steps)]
     loss_sum, n = [0.0] * steps, 0
     for lo in range(0, data["input_ids"].shape[0], mb):
         losses, acc = depth_losses(
-            drafter, teacher_w, _batch(data, list(range(lo, min(lo + mb, len(data["input_ids"]))))), steps, rank_counts
+            drafter,
+            teacher_w,
+            _batch(data, list(range(lo, min(lo + mb, len(data["input_ids"]))))),
+            steps,
+            rank_counts,
+            cond_counts,
         )
         for j, ((c, k), lval) in enumerate(zip(acc, losses, strict=True)):
             tot[j][0] += c
@@ -160,6 +194,9 @@ def evaluate(drafter: Any, teacher_w: torch.Tensor, data: dict[str, torch.Tensor
         "top1": [round(c / max(1, k), 4) for c, k in tot],
         "loss": [round(x / max(1, n), 4) for x in loss_sum],
         "rank_probs": [[round(float(c) / max(1, int(r.sum())), 5) for c in r[:RANKS]] for r in rank_counts],
+        # P(rank r right | the chain above it accepted), and how many positions each depth had for it
+        "cond_rank_probs": [[round(float(c) / max(1, int(r.sum())), 5) for c in r[:RANKS]] for r in cond_counts],
+        "cond_counts": [int(r.sum()) for r in cond_counts],
         "tokens": tot[0][1],
     }
 
@@ -234,9 +271,12 @@ def export_drafter(drafter: Any, base: Any, out: Path, metrics: dict | None = No
     model = MTPModel.from_base(base, num_heads=drafter.num_heads, head_type="eagle", **drafter.config_kwargs())
     model.heads.load_state_dict(drafter.state_dict())
     model.heads.to(torch.bfloat16)
-    if metrics is not None and metrics.get("heldout", {}).get("rank_probs"):
-        # what the tree builder reads: P(rank r of depth k is the base's token), measured held out
-        model.config.head_accuracies = metrics["heldout"]["rank_probs"][: drafter.num_heads]
+    heldout = (metrics or {}).get("heldout", {})
+    probs = heldout.get("cond_rank_probs") or heldout.get("rank_probs")
+    if probs:
+        # what the tree builder reads: P(rank r of depth k is the base's token | its parent was), measured on
+        # the feature cache's eval blocks (never on a reported benchmark set)
+        model.config.head_accuracies = probs[: drafter.num_heads]
         model.config.tree_nodes = default_tree_size(model.config.head_accuracies)
     target = out / "drafter"
     model.save_pretrained(target, heads_only=True)
@@ -288,6 +328,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         torch.set_rng_state(state["rng"])
         step = json.loads((ckpt / "state.json").read_text())["step"]
         print(f"resumed from {ckpt} (step {step})")
+    if opts.export_only and ckpt is None:
+        raise FileNotFoundError(f"--export-only: no checkpoint in {out}")
     metrics_path = out / "metrics.jsonl"
     N = train["input_ids"].shape[0]
     per_epoch = max(1, N // opts.micro_batch)
@@ -308,7 +350,9 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     bar = tqdm(total=opts.max_steps, initial=step, desc="drafter", unit="step")
     stop_reason = "max_steps"
     history: list[dict] = []
-    while step < opts.max_steps:
+    if opts.export_only:
+        stop_reason = "export_only"
+    while step < opts.max_steps and not opts.export_only:
         epoch, k = divmod(step, per_epoch)
         rows = order(epoch)[k * opts.micro_batch : (k + 1) * opts.micro_batch]
         for g in optim.param_groups:
@@ -387,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         kind = type(value) if value is not None else (float if name == "max_minutes" else int)
         if isinstance(value, Path) or name == "init_from":
             kind = Path
+        if isinstance(value, bool):
+            p.add_argument(flag, action="store_true")
+            continue
         p.add_argument(flag, type=kind, default=value)
     a = p.parse_args(argv)
     train_drafter(DrafterOptions(**vars(a)))
