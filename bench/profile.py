@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: `python -m mtp.bench.profile [--dtype bfloat16] [--limit 2]`.
+"""Where a decode step's time goes: `python -m mtp.bench.profile [--heads eagle] [--dtype bfloat16] [--limit 2]`.
 
 Wraps the phases of `mtp.decoding.speculative_generate` with wall-clock timers (propose, the verify forward,
 verification, KV crop, prompt lookup, the proposer's bookkeeping, the adaptive policy) and reports
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mtp import adaptive, decoding, ngram, proposer
+from mtp import adaptive, decoding, eagle_proposer, ngram, proposer
 
 
 @contextmanager
@@ -31,6 +31,7 @@ def timed_phases(totals: dict[str, float]):
         (ngram.NgramDraft, "observe", "prompt lookup"),
         (proposer.MTPProposer, "observe", "proposer observe"),
         (proposer.MedusaProposer, "observe", "proposer observe"),
+        (eagle_proposer.EagleProposer, "observe", "proposer observe"),
         (adaptive.AdaptiveDraft, "update", "adaptive policy"),
         (adaptive.AdaptiveDraft, "tree", "adaptive policy"),
     ]
@@ -77,13 +78,14 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=2, help="MT-Bench questions")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--tree", default="default", help="'default', 'chain' or 'auto'")
+    parser.add_argument("--heads", default=None, help="a shipped head set (mtp, eagle) or a heads dir")
     args = parser.parse_args()
 
     from mtp.default_model import load_default_mtp
 
     from .mtbench import first_turn_ids, load_mtbench
 
-    model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), None)
+    model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), args.heads)
     tree = None if args.tree == "auto" else args.tree
     prompts = [first_turn_ids(tokenizer, q) for q in load_mtbench(limit=args.limit)]
     model.generate(prompts[0][:, :8], max_new_tokens=4)  # warm-up
