@@ -39,15 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="store the fastest size in the heads' config")
     args = parser.parse_args(argv)
 
+    from mtp.config import MTPConfig
     from mtp.default_model import load_default_mtp, resolve_heads
 
+    from .mtbench import chat_prompt_ids
+
     model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), args.heads)
-    ids = []
-    for p in dev_prompts(args.prompts, args.n):
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": p[:2000]}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        ids.append(enc["input_ids"])
+    ids = [chat_prompt_ids(tokenizer, p[:2000]) for p in dev_prompts(args.prompts, args.n)]
     model.generate(ids[0][:, :8], max_new_tokens=4)  # warm-up
     plain = 0.0
     for x in ids:
@@ -69,11 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     best = max(results, key=lambda s: results[s]["speedup"])
     print(f"fastest on {len(ids)} development prompts: tree_nodes {best}")
     if args.write:
-        cfg_path = resolve_heads(args.heads) / "mtp_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["tree_nodes"] = best
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-        print(f"wrote tree_nodes {best} to {cfg_path}")
+        directory = resolve_heads(args.heads)
+        cfg = MTPConfig.load(directory)
+        cfg.tree_nodes = best
+        print(f"wrote tree_nodes {best} to {cfg.save(directory)}")
     return 0
 
 

@@ -95,6 +95,15 @@ def _lr(step: int, opts: DrafterOptions) -> float:
 RANKS = 8  # rank probabilities kept per depth for the tree builder (MTPConfig.head_accuracies)
 
 
+def _rank_histogram(logits: torch.Tensor, greedy: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """(RANKS+1,) counts of the rank at which each row's greedy token sits in the drafter's list (draft-vocabulary
+    logits (n, Dv), greedy base ids (n,)); index RANKS: not in the top RANKS."""
+    top = draft_ids[logits.topk(RANKS, dim=-1).indices]  # (n, RANKS) base ids
+    hit = top == greedy[:, None]
+    where = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(greedy, RANKS))
+    return torch.bincount(where, minlength=RANKS + 1)
+
+
 def depth_losses(
     drafter: Any,
     teacher_w: torch.Tensor,
@@ -132,11 +141,7 @@ def depth_losses(
             with torch.no_grad():
                 greedy_all = target[:, j + 1 : j + 1 + L]
                 cond = valid & chain[:, :L]
-                top = draft_ids[lg[:, :L][cond].float().topk(RANKS, dim=-1).indices]
-                g = greedy_all[cond]
-                found = top == g[:, None]
-                where = torch.where(found.any(-1), found.float().argmax(-1), torch.full_like(g, RANKS))
-                cond_ranks[j] += torch.bincount(where, minlength=RANKS + 1)
+                cond_ranks[j] += _rank_histogram(lg[:, :L][cond].float(), greedy_all[cond], draft_ids)
                 # accepted, and the text goes on with that token (so depth j+1 reads what drafting would)
                 ok = (draft_ids[lg[:, :L].argmax(-1)] == greedy_all) & (ids[:, j + 2 : j + 2 + L] == greedy_all)
                 nxt = torch.zeros_like(chain)
@@ -152,10 +157,7 @@ def depth_losses(
             greedy = target[:, j + 1 : j + 1 + L][valid]
             correct = int((draft_ids[student.argmax(-1)] == greedy).sum())
             if ranks is not None:
-                top = draft_ids[student.topk(RANKS, dim=-1).indices]  # (n, RANKS) base ids
-                hit = top == greedy[:, None]
-                where = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(greedy, RANKS))
-                ranks[j] += torch.bincount(where, minlength=RANKS + 1)
+                ranks[j] += _rank_histogram(student, greedy, draft_ids)
         losses.append(-(teacher * F.log_softmax(student, dim=-1)).sum(-1).mean())
         acc.append((correct, int(valid.sum())))
     return losses, acc
@@ -297,6 +299,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         torch.set_num_threads(opts.threads)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
+    if opts.export_only and _latest(out) is None:
+        raise FileNotFoundError(f"--export-only: no checkpoint in {out}")
     feats = Path(opts.features)
     info = json.loads((feats / INFO).read_text())
     vocab = torch.tensor(json.loads((feats / VOCAB).read_text()), dtype=torch.long)
@@ -314,7 +318,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     drafter.float().train()
     teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
     t_load = time.time()
-    train, held = _load_split(feats / "train"), _load_split(feats / "eval")
+    train = None if opts.export_only else _load_split(feats / "train")
+    held = _load_split(feats / "eval")
     load_s = time.time() - t_load
     optim = torch.optim.AdamW(drafter.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, betas=(0.9, 0.95))
     step = 0
@@ -328,10 +333,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         torch.set_rng_state(state["rng"])
         step = json.loads((ckpt / "state.json").read_text())["step"]
         print(f"resumed from {ckpt} (step {step})")
-    if opts.export_only and ckpt is None:
-        raise FileNotFoundError(f"--export-only: no checkpoint in {out}")
     metrics_path = out / "metrics.jsonl"
-    N = train["input_ids"].shape[0]
+    N = 0 if train is None else train["input_ids"].shape[0]
     per_epoch = max(1, N // opts.micro_batch)
 
     def order(epoch: int) -> list[int]:
