@@ -56,6 +56,11 @@ def bench(
     verify_cost: bool = typer.Option(True, help="Also measure the verify-cost curve per dtype."),
     methods_fp32: str = typer.Option("", help="A different method list for float32 (default: --methods)."),
     threads: int = typer.Option(0, help="torch threads (0: torch default)."),
+    repeats: int = typer.Option(
+        1,
+        help="Time every prompt and method this many times (round-robin) and keep the median: one run of one "
+        "prompt can be off by 15-20% on a shared machine, so per-prompt minimums want 3.",
+    ),
     sampling_temperature: float = typer.Option(
         0.0, help="> 0: also time sampled decoding at this temperature (plain vs ours, lossless; τ, tokens/s)."
     ),
@@ -122,7 +127,7 @@ def bench(
                 label = f"q{qid}" if isinstance(qid, int) else qid
                 typer.echo(f"  [{dt}] {set_name} {label} {name}: {seconds:.1f}s, {same}")
 
-            stats = run_prompts(table, set_prompts, max_new_tokens, dt, progress)
+            stats = run_prompts(table, set_prompts, max_new_tokens, dt, progress, repeats=repeats)
             stats_by_run[f"{dt} {set_name}"] = stats
             rows.extend(summary_rows(stats, set_name))
         if sampling_temperature > 0:
@@ -143,6 +148,7 @@ def bench(
             for name, items in texts.items()
         },
         "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
         "tree": tree,
         "assistant": _assistant_label(assistant, assistant_layers),
         "verify_cost": costs,

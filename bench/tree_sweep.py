@@ -47,22 +47,26 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), args.heads)
     ids = [chat_prompt_ids(tokenizer, p[:2000]) for p in dev_prompts(args.prompts, args.n)]
     model.generate(ids[0][:, :8], max_new_tokens=4)  # warm-up
+    sizes = [int(s) for s in args.sizes.split(",")]
+    # Interleaved per prompt (plain, then every size), so the machine's drift hits every candidate alike.
     plain = 0.0
+    wall = dict.fromkeys(sizes, 0.0)
+    steps, tokens = dict.fromkeys(sizes, 0), dict.fromkeys(sizes, 0)
     for x in ids:
         t0 = time.perf_counter()
         model.base_model.generate(x, max_new_tokens=args.max_new_tokens, do_sample=False)
         plain += time.perf_counter() - t0
-    results = {}
-    for size in [int(s) for s in args.sizes.split(",")]:
-        model.config.tree_nodes = size
-        wall, steps, tokens = 0.0, 0, 0
-        for x in ids:
+        for size in sizes:
+            model.config.tree_nodes = size
             t0 = time.perf_counter()
             out = model.generate(x, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
-            wall += time.perf_counter() - t0
-            steps += len(out.accepted_lengths)
-            tokens += out.num_new_tokens
-        results[size] = {"speedup": round(plain / wall, 3), "tau": round((tokens - len(ids)) / max(1, steps), 2)}
+            wall[size] += time.perf_counter() - t0
+            steps[size] += len(out.accepted_lengths)
+            tokens[size] += out.num_new_tokens
+    results = {}
+    for size in sizes:
+        tau = (tokens[size] - len(ids)) / max(1, steps[size])
+        results[size] = {"speedup": round(plain / wall[size], 3), "tau": round(tau, 2)}
         print(f"tree_nodes {size:3d}: {results[size]['speedup']:.2f}x, τ {results[size]['tau']:.2f}", flush=True)
     best = max(results, key=lambda s: results[s]["speedup"])
     print(f"fastest on {len(ids)} development prompts: tree_nodes {best}")

@@ -93,3 +93,36 @@ def test_worst_prompt_is_compared_per_token():
     rows = {r["method"]: r for r in summary_rows({"plain": plain, "ours": ours})}
     assert rows["ours"]["worst_prompt_slowdown"] == pytest.approx(1.25)
     assert rows["ours"]["per_prompt"] == {1: [4.0, 100], 2: [5.0, 100]}
+
+
+def test_repeats_keep_the_median_time_and_count_outputs_that_change(monkeypatch):
+    """`repeats`: every (prompt, method) is timed that often, round-robin, and the median kept, so one run
+    hit by the machine's noise does not decide a prompt's speedup; a method whose output changes between
+    repeats is counted, not hidden."""
+    from mtp.bench import run as R
+
+    clock = iter([0.0, 1.0, 0.0, 9.0, 0.0, 3.0, 0.0, 2.0, 0.0, 2.0, 0.0, 2.0] + [0.0] * 100)
+    monkeypatch.setattr(R.time, "perf_counter", lambda: next(clock))
+    order: list[str] = []
+    calls = {"flaky": 0}
+
+    def fixed(name: str) -> M.Method:
+        def run(ids: torch.Tensor, max_new: int) -> M.MethodResult:
+            order.append(name)
+            return M.MethodResult(torch.tensor([[1, 2, 3]]))
+
+        return run
+
+    def flaky(ids: torch.Tensor, max_new: int) -> M.MethodResult:
+        order.append("flaky")
+        calls["flaky"] += 1
+        return M.MethodResult(torch.tensor([[1, 2, 3 + calls["flaky"] % 2]]))
+
+    methods = {"plain": fixed("plain"), "flaky": flaky}
+    stats = run_prompts(methods, [(0, "writing", torch.tensor([[1]]))], 2, "float32", repeats=3)
+    assert order == ["plain", "flaky"] * 3  # round-robin, not three plain runs then three of ours
+    # plain took 1, 3, 2 s (median 2), flaky 9, 2, 2 (median 2): the 9 s outlier does not count
+    assert stats["plain"].per_prompt[0] == (2.0, 2) and stats["flaky"].per_prompt[0] == (2.0, 2)
+    assert stats["plain"].repeat_mismatches == 0 and stats["flaky"].repeat_mismatches == 1
+    with pytest.raises(ValueError, match="repeats"):
+        run_prompts(methods, [(0, "writing", torch.tensor([[1]]))], 2, "float32", repeats=0)

@@ -249,19 +249,30 @@ def _latest(out: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+# What a verify step costs on the reference CPU (SmolLM2, bf16, 2 cores), in plain decode steps: the forward
+# over n tree nodes (bench/verify_cost.py over a 300-token cache: 1.01-1.04 at 2 nodes, 1.15 at 8, 1.17-1.36
+# at 16, 1.6-2.1 at 32, the spread being the machine's drift; the verify forwards inside decoding cost up to
+# 0.1 more), plus DRAFT_COST_PER_DEPTH for every depth drafted (bench/profile.py: one drafter step with its
+# draft-vocabulary projection and top-k, and the step's bookkeeping; 0.08-0.09 for the EAGLE drafter and
+# the MTP modules alike).
+VERIFY_COST_BF16 = {1: 1.0, 2: 1.1, 3: 1.12, 4: 1.15, 6: 1.2, 8: 1.25, 12: 1.35, 16: 1.45, 24: 1.75, 32: 2.0, 48: 2.6,
+                    64: 3.2}  # fmt: skip
+DRAFT_COST_PER_DEPTH = 0.09
+
+
 def default_tree_size(accuracies: list[list[float]]) -> int:
     """The default tree size: the ladder size with the most expected tokens per unit of step cost.
 
-    Chosen from the drafter's held-out rank accuracies and the bf16 verify-cost prior (plus the drafting
-    overhead per depth), never from a benchmark: a deeper drafter earns a bigger tree than the 16-node
-    default, and how much bigger follows from how accurate its depths are.
+    Chosen from the drafter's held-out rank accuracies and the measured step costs above, never from a
+    benchmark. Drafting is paid per depth: with the runtime's optimistic on/off prior and a flat drafting
+    overhead instead, a six-depth drafter got a 16-node tree that measured slower than 8 nodes.
     """
-    from mtp.adaptive import DRAFT_OVERHEAD, LADDER, PRIOR_COST_HALF
+    from mtp.adaptive import LADDER
     from mtp.tree import build_tree
 
     def rate(n: int) -> float:
         tree = build_tree(n, len(accuracies), accuracies)
-        return tree.expected_length(accuracies) / (PRIOR_COST_HALF[n] + DRAFT_OVERHEAD * tree.depth / 3)
+        return tree.expected_length(accuracies) / (VERIFY_COST_BF16[n] + DRAFT_COST_PER_DEPTH * tree.depth)
 
     return max((n for n in LADDER if n >= 4), key=rate)
 
