@@ -3,8 +3,10 @@
 Wraps the phases of `mtp.decoding.speculative_generate` with wall-clock timers (propose, the verify forward,
 verification, KV crop, prompt lookup, the proposer's bookkeeping, the adaptive policy) and reports
 milliseconds per step next to a plain decode step of the same model (one `generate()` token, and one bare
-forward with a KV cache). What is left after the timed phases is the loop's own Python. This is how
-the README's "why the target was missed" numbers were made.
+forward with a KV cache), in milliseconds and in decode steps (one plain `generate()` token). What is left
+after the timed phases is the loop's own Python. This is how the README's "why the target was missed"
+numbers were made. `--tree 2,4,8,16 --lookup off` times fixed trees of those sizes: the verify cost per
+node count and the drafting cost per depth that tree sizing reads (`drafter_trainer.VERIFY_COST_BF16`).
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--limit", type=int, default=2, help="MT-Bench questions")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--tree", default="default", help="'default', 'chain' or 'auto'")
+    parser.add_argument(
+        "--tree", default="default", help="'default', 'chain', 'auto', or node counts (fixed trees): 2,4,8,16"
+    )
+    parser.add_argument("--lookup", choices=("both", "on", "off"), default="both", help="prompt lookup runs")
     parser.add_argument("--heads", default=None, help="a shipped head set (mtp, eagle) or a heads dir")
     args = parser.parse_args()
 
@@ -86,7 +91,11 @@ def main() -> None:
     from .mtbench import first_turn_ids, load_mtbench
 
     model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), args.heads)
-    tree = None if args.tree == "auto" else args.tree
+    if args.tree.replace(",", "").isdigit():
+        trees = [int(n) for n in args.tree.split(",")]
+    else:
+        trees = [None if args.tree == "auto" else args.tree]
+    lookups = {"both": (False, True), "on": (True,), "off": (False,)}[args.lookup]
     prompts = [first_turn_ids(tokenizer, q) for q in load_mtbench(limit=args.limit)]
     model.generate(prompts[0][:, :8], max_new_tokens=4)  # warm-up
     plain_s = plain_tokens = 0.0
@@ -96,7 +105,8 @@ def main() -> None:
         plain_s += time.perf_counter() - t0
         plain_tokens += seq.shape[1] - ids.shape[1]
     bare = bare_forward_ms(model.base_model, prompts[0])
-    for lookup in (False, True):
+    plain_ms = plain_s / plain_tokens * 1000
+    for tree, lookup in [(t, u) for t in trees for u in lookups]:
         totals: dict[str, float] = defaultdict(float)
         steps = tokens = 0
         wall = 0.0
@@ -108,18 +118,20 @@ def main() -> None:
                 wall += time.perf_counter() - t0
                 steps += len(out.accepted_lengths)
                 tokens += out.num_new_tokens
-        print(f"\n{args.dtype}, tree={args.tree}, prompt_lookup={lookup}: {steps} steps, {tokens} tokens, "
+        print(f"\n{args.dtype}, tree={tree or 'auto'}, prompt_lookup={lookup}: {steps} steps, {tokens} tokens, "
               f"τ {(tokens - len(prompts)) / steps:.2f}, {tokens / wall:.1f} tok/s "
               f"(plain generate() {plain_tokens / plain_s:.1f} tok/s)")  # fmt: skip
-        print(f"  {'phase':<24}{'ms/step':>9}{'share':>8}")
+        print(f"  {'phase':<24}{'ms/step':>9}{'share':>8}{'decode steps':>14}")
         accounted = 0.0
         for phase, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
             accounted += seconds
-            print(f"  {phase:<24}{seconds / steps * 1000:9.2f}{seconds / wall:8.1%}")
+            ms = seconds / steps * 1000
+            print(f"  {phase:<24}{ms:9.2f}{seconds / wall:8.1%}{ms / plain_ms:14.3f}")
         rest = wall - accounted  # prefill, the loop's own Python, emission, streaming checks
-        print(f"  {'rest (prefill, loop)':<24}{rest / steps * 1000:9.2f}{rest / wall:8.1%}")
-        print(f"  {'total':<24}{wall / steps * 1000:9.2f}")
-    print(f"\nplain generate(): {plain_s / plain_tokens * 1000:.2f} ms/token; bare 1-token forward with cache: "
+        rest_ms = rest / steps * 1000
+        print(f"  {'rest (prefill, loop)':<24}{rest_ms:9.2f}{rest / wall:8.1%}{rest_ms / plain_ms:14.3f}")
+        print(f"  {'total':<24}{wall / steps * 1000:9.2f}{'':8}{wall / steps * 1000 / plain_ms:14.3f}")
+    print(f"\nplain generate(): {plain_ms:.2f} ms/token (= 1 decode step); bare 1-token forward with cache: "
           f"{bare:.2f} ms (the rest of a generate() step is its own overhead)")  # fmt: skip
 
 

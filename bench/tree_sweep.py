@@ -1,6 +1,7 @@
 """Pick a head set's default tree size on development prompts, never on a reported set.
 
-`python -m mtp.bench.tree_sweep --heads DIR --sizes 8,12,16 --n 12`
+`python -m mtp.bench.tree_sweep --heads DIR --sizes 8,12,16 --n 40`
+`python -m mtp.bench.tree_sweep --heads eagle@8 --heads DIR@4,8 --heads mtp@16 --n 40` (head sets side by side)
 
 The trainer chooses `tree_nodes` from measured accuracies and a verify-cost prior (`default_tree_size`); the
 prior does not know what drafting one more depth costs on this machine, so this measures it: plain
@@ -28,9 +29,22 @@ def dev_prompts(path: Path, n: int) -> list[str]:
     return [p for pair in zip(chat, code, strict=False) for p in pair]
 
 
+def _candidates(specs: list[str], default_sizes: str) -> list[tuple[str, list[int]]]:
+    """`SET[@SIZES]` per head set (a shipped name or a heads dir; sizes comma-separated, else --sizes)."""
+    out = []
+    for spec in specs:
+        heads, _, sizes = spec.partition("@")
+        out.append((heads, [int(x) for x in (sizes or default_sizes).split(",") if x.strip()]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", required=True, help="a shipped head set name or a heads dir")
+    parser.add_argument(
+        "--heads", action="append", required=True,
+        help="a shipped head set name or a heads dir, optionally with its own sizes: DIR@4,8; repeat to compare "
+        "head sets in the same run",
+    )  # fmt: skip
     parser.add_argument("--sizes", default="8,12,16", help="candidate default tree sizes (nodes)")
     parser.add_argument("--prompts", type=Path, default=Path("data/prompts-train.jsonl"))
     parser.add_argument("--n", type=int, default=12)
@@ -38,43 +52,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--write", action="store_true", help="store the fastest size in the heads' config")
     args = parser.parse_args(argv)
+    candidates = _candidates(args.heads, args.sizes)
+    if args.write and len(candidates) > 1:
+        parser.error("--write stores one head set's size: give one --heads with it")
 
     from mtp.config import MTPConfig
     from mtp.default_model import load_default_mtp, resolve_heads
+    from mtp.model import MTPModel
 
     from .mtbench import chat_prompt_ids
 
-    model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), args.heads)
+    first, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), candidates[0][0])
+    models = [first] + [
+        MTPModel.from_pretrained(resolve_heads(h), base_model=first.base_model) for h, _ in candidates[1:]
+    ]
+    variants = [
+        (f"{h} tree_nodes {n:3d}", model, n)
+        for (h, sizes), model in zip(candidates, models, strict=True)
+        for n in sizes
+    ]
     ids = [chat_prompt_ids(tokenizer, p[:2000]) for p in dev_prompts(args.prompts, args.n)]
-    model.generate(ids[0][:, :8], max_new_tokens=4)  # warm-up
-    sizes = [int(s) for s in args.sizes.split(",")]
-    # Interleaved per prompt (plain, then every size), so the machine's drift hits every candidate alike.
+    first.generate(ids[0][:, :8], max_new_tokens=4)  # warm-up
+    # Interleaved per prompt (plain, then every variant), so the machine's drift hits every candidate alike.
     plain = 0.0
-    wall = dict.fromkeys(sizes, 0.0)
-    steps, tokens = dict.fromkeys(sizes, 0), dict.fromkeys(sizes, 0)
+    wall = [0.0] * len(variants)
+    steps, tokens = [0] * len(variants), [0] * len(variants)
     for x in ids:
         t0 = time.perf_counter()
-        model.base_model.generate(x, max_new_tokens=args.max_new_tokens, do_sample=False)
+        first.base_model.generate(x, max_new_tokens=args.max_new_tokens, do_sample=False)
         plain += time.perf_counter() - t0
-        for size in sizes:
+        for i, (_, model, size) in enumerate(variants):
             model.config.tree_nodes = size
             t0 = time.perf_counter()
             out = model.generate(x, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
-            wall[size] += time.perf_counter() - t0
-            steps[size] += len(out.accepted_lengths)
-            tokens[size] += out.num_new_tokens
+            wall[i] += time.perf_counter() - t0
+            steps[i] += len(out.accepted_lengths)
+            tokens[i] += out.num_new_tokens
     results = {}
-    for size in sizes:
-        tau = (tokens[size] - len(ids)) / max(1, steps[size])
-        results[size] = {"speedup": round(plain / wall[size], 3), "tau": round(tau, 2)}
-        print(f"tree_nodes {size:3d}: {results[size]['speedup']:.2f}x, τ {results[size]['tau']:.2f}", flush=True)
-    best = max(results, key=lambda s: results[s]["speedup"])
-    print(f"fastest on {len(ids)} development prompts: tree_nodes {best}")
+    for i, (label, _, size) in enumerate(variants):
+        tau = (tokens[i] - len(ids)) / max(1, steps[i])
+        results[label] = {"size": size, "speedup": round(plain / wall[i], 3), "tau": round(tau, 2)}
+        print(f"{label}: {results[label]['speedup']:.2f}x, τ {results[label]['tau']:.2f}", flush=True)
+    best = max(results, key=lambda k: results[k]["speedup"])
+    print(f"fastest on {len(ids)} development prompts: {best}")
     if args.write:
-        directory = resolve_heads(args.heads)
+        directory = resolve_heads(candidates[0][0])
         cfg = MTPConfig.load(directory)
-        cfg.tree_nodes = best
-        print(f"wrote tree_nodes {best} to {cfg.save(directory)}")
+        cfg.tree_nodes = results[best]["size"]
+        print(f"wrote tree_nodes {cfg.tree_nodes} to {cfg.save(directory)}")
     return 0
 
 

@@ -291,10 +291,10 @@ class MTPModel(nn.Module):
             # The default: adaptive drafting up to the model's default tree size, seeded with its accuracies.
             # No wall-clock input where the tree decides the output: under sampling (which random numbers a
             # step draws) and in half precision (how the verify forward rounds at near-ties), so the same
-            # call gives the same tokens on a busy machine as on a quiet one. Half precision verifies up to
-            # ~16 nodes for about the price of one, so there the choice is only the full default tree or no
-            # drafting at all (smaller trees measured slower: MT-Bench, bf16, 2.28x vs 1.91x, 8 questions),
-            # and the full tree keeps the default shape (reshaped ones measured slower: 2.09x vs 2.17x, 80).
+            # call gives the same tokens on a busy machine as on a quiet one. In half precision the choice is
+            # only the full default tree or no drafting at all: the default tree's size is already the one
+            # that measured fastest on development prompts (bench/tree_sweep.py), and it keeps its shape
+            # (reshaped ones measured slower: 2.09x vs 2.17x, MT-Bench 80).
             half = next(self.base_model.parameters()).dtype in (torch.bfloat16, torch.float16)
             default = self.default_tree  # built from the config on each access: once per call
             full = len(default)

@@ -126,3 +126,16 @@ def test_repeats_keep_the_median_time_and_count_outputs_that_change(monkeypatch)
     assert stats["plain"].repeat_mismatches == 0 and stats["flaky"].repeat_mismatches == 1
     with pytest.raises(ValueError, match="repeats"):
         run_prompts(methods, [(0, "writing", torch.tensor([[1]]))], 2, "float32", repeats=0)
+
+
+def test_tree_sweep_candidates_and_write_guard():
+    """Head sets side by side: each with its own sizes or the shared --sizes; --write needs exactly one."""
+    from mtp.bench.tree_sweep import _candidates, main
+
+    assert _candidates(["eagle@4,8", "runs/x/drafter", "mtp@16"], "8,12") == [
+        ("eagle", [4, 8]),
+        ("runs/x/drafter", [8, 12]),
+        ("mtp", [16]),
+    ]
+    with pytest.raises(SystemExit):
+        main(["--heads", "eagle", "--heads", "mtp", "--write"])
