@@ -16,11 +16,11 @@ count as misses).
 Checkpoints every ``save_every`` steps (drafter safetensors, optimizer state loaded with
 ``weights_only=True``, step, RNG): rerunning the same command resumes; the data order is a function of
 (seed, epoch). ``max_minutes`` ends a run cleanly (checkpoint + export) for time-boxed jobs, without
-changing the lr schedule; ``init_from`` starts a new run (new schedule) from an earlier drafter's weights,
-which is how a drafter keeps learning across time-boxed runs; ``export_only`` evaluates and exports the
-latest checkpoint. The export carries, per depth, P(rank r is the base's token | the chain above it was
-accepted), measured on the cache's eval blocks: the tree builder multiplies these along a path, so they
-must be conditional. The result is an MTP checkpoint directory
+changing the lr schedule; ``init_from`` starts a new run (new schedule) from an earlier drafter's weights
+and draft vocabulary, which is how a drafter keeps learning across time-boxed runs and onto bigger caches;
+``export_only`` evaluates and exports the latest checkpoint. The export carries, per depth, P(rank r is the
+base's token | the chain above it was accepted), measured on the cache's eval blocks: the tree builder
+multiplies these along a path, so they must be conditional. The result is an MTP checkpoint directory
 (heads only, pointing at the base) that `MTPModel.from_pretrained` and every `mtp` command load.
 """
 
@@ -216,17 +216,19 @@ def _save(directory: Path, drafter: Any, optim: torch.optim.Optimizer, step: int
     tmp.rename(directory)
 
 
-def _init_from(drafter: Any, source: Path) -> None:
-    """Load an earlier drafter's weights (checkpoint or export); refuse a different shape or draft vocabulary,
-    since the cached features pick the vocabulary and a mismatch would silently train the wrong rows."""
+def _drafter_weights(source: Path) -> dict[str, torch.Tensor]:
+    """An earlier drafter's tensors: a `checkpoint-N` (drafter.safetensors) or an export (mtp_heads.safetensors)."""
     from safetensors.torch import load_file
 
     for name in ("drafter.safetensors", "mtp_heads.safetensors"):
         if (source / name).is_file():
-            weights = load_file(str(source / name))
-            break
-    else:
-        raise FileNotFoundError(f"--init-from {source}: no drafter.safetensors or mtp_heads.safetensors there")
+            return load_file(str(source / name))
+    raise FileNotFoundError(f"--init-from {source}: no drafter.safetensors or mtp_heads.safetensors there")
+
+
+def _init_from(drafter: Any, weights: dict[str, torch.Tensor], source: Path) -> None:
+    """Load an earlier drafter's weights; refuse a different layout. The drafter was built over the source's
+    draft vocabulary (`train_drafter`), so its projection rows keep meaning the same tokens."""
     own = drafter.state_dict()
     weights = {k: v for k, v in weights.items() if k in own}
     missing = sorted(set(own) - set(weights))
@@ -236,8 +238,6 @@ def _init_from(drafter: Any, source: Path) -> None:
         if v.shape != own[k].shape:
             shapes = f"{tuple(v.shape)} there, {tuple(own[k].shape)} here"
             raise ValueError(f"--init-from {source}: {k} has shape {shapes}")
-    if not torch.equal(weights["draft_ids"].long(), own["draft_ids"].long()):
-        raise ValueError(f"--init-from {source}: its draft vocabulary differs from the cached features'")
     drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
     print(f"initialised from {source}")
 
@@ -315,6 +315,19 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     feats = Path(opts.features)
     info = json.loads((feats / INFO).read_text())
     vocab = torch.tensor(json.loads((feats / VOCAB).read_text()), dtype=torch.long)
+    # A run that continues (its own checkpoint) or warm-starts (--init-from) keeps the drafter's own draft
+    # vocabulary: the cache stores the base's final hidden states, so the teacher's targets are exact over
+    # any vocabulary, and a bigger cache (whose most frequent tokens differ a little) can extend a drafter
+    # trained on a smaller one. Only a fresh drafter takes the cache's vocabulary.
+    ckpt = _latest(out)
+    warm = None
+    if ckpt is None and opts.init_from is not None:
+        warm = _drafter_weights(Path(opts.init_from))
+        if "draft_ids" not in warm:
+            raise ValueError(f"--init-from {opts.init_from}: not an EAGLE drafter (no draft_ids)")
+        vocab = warm["draft_ids"].long()
+    elif ckpt is not None:
+        vocab = load_file(str(ckpt / "drafter.safetensors"))["draft_ids"].long()
     base, _ = load_base(opts.model, torch.float32)
     drafter = build_heads(
         "eagle",
@@ -334,9 +347,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     load_s = time.time() - t_load
     optim = torch.optim.AdamW(drafter.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, betas=(0.9, 0.95))
     step = 0
-    ckpt = _latest(out)
-    if ckpt is None and opts.init_from is not None:
-        _init_from(drafter, Path(opts.init_from))
+    if warm is not None:
+        _init_from(drafter, warm, Path(opts.init_from))
     if ckpt is not None:
         drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")))
         state = torch.load(ckpt / "optimizer.pt", weights_only=True)
