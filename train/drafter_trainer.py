@@ -299,7 +299,6 @@ def export_drafter(drafter: Any, base: Any, out: Path, metrics: dict | None = No
 
 
 def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
-    from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
     from mtp.heads import build_heads
@@ -320,14 +319,12 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     # any vocabulary, and a bigger cache (whose most frequent tokens differ a little) can extend a drafter
     # trained on a smaller one. Only a fresh drafter takes the cache's vocabulary.
     ckpt = _latest(out)
-    warm = None
-    if ckpt is None and opts.init_from is not None:
-        warm = _drafter_weights(Path(opts.init_from))
-        if "draft_ids" not in warm:
-            raise ValueError(f"--init-from {opts.init_from}: not an EAGLE drafter (no draft_ids)")
-        vocab = warm["draft_ids"].long()
-    elif ckpt is not None:
-        vocab = load_file(str(ckpt / "drafter.safetensors"))["draft_ids"].long()
+    source = ckpt if ckpt is not None else (Path(opts.init_from) if opts.init_from is not None else None)
+    earlier = _drafter_weights(source) if source is not None else None  # read once: vocabulary, then weights
+    if earlier is not None:
+        if "draft_ids" not in earlier:
+            raise ValueError(f"--init-from {source}: not an EAGLE drafter (no draft_ids)")
+        vocab = earlier["draft_ids"].long()
     base, _ = load_base(opts.model, torch.float32)
     drafter = build_heads(
         "eagle",
@@ -347,10 +344,10 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     load_s = time.time() - t_load
     optim = torch.optim.AdamW(drafter.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, betas=(0.9, 0.95))
     step = 0
-    if warm is not None:
-        _init_from(drafter, warm, Path(opts.init_from))
+    if ckpt is None and earlier is not None:
+        _init_from(drafter, earlier, source)
     if ckpt is not None:
-        drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")))
+        drafter.load_state_dict(earlier)
         state = torch.load(ckpt / "optimizer.pt", weights_only=True)
         optim.load_state_dict(state["optim"])
         torch.set_rng_state(state["rng"])
