@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
+
+from mtp.model import MTPModel
+
+from .methods import Method, MethodResult
 
 
 def dev_prompts(path: Path, n: int) -> list[str]:
@@ -38,6 +41,17 @@ def _candidates(specs: list[str], default_sizes: str) -> list[tuple[str, list[in
     return out
 
 
+def with_tree_nodes(model: MTPModel, size: int) -> Method:
+    """The adaptive decoder with `size` as the head set's default tree (several sizes share one model)."""
+
+    def run(ids: torch.Tensor, max_new: int) -> MethodResult:
+        model.config.tree_nodes = size
+        out = model.generate(ids, max_new_tokens=max_new, return_dict_in_generate=True)
+        return MethodResult(out.sequences, accepted_lengths=out.accepted_lengths)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -50,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=1, help="time each (prompt, size) N times, keep the median")
     parser.add_argument("--write", action="store_true", help="store the fastest size in the heads' config")
     args = parser.parse_args(argv)
     candidates = _candidates(args.heads, args.sizes)
@@ -58,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from mtp.config import MTPConfig
     from mtp.default_model import load_default_mtp, resolve_heads
-    from mtp.model import MTPModel
 
+    from .methods import plain
     from .mtbench import chat_prompt_ids
+    from .run import run_prompts, summary_rows
 
     first, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), candidates[0][0])
     models = [first] + [
@@ -73,26 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     ]
     ids = [chat_prompt_ids(tokenizer, p[:2000]) for p in dev_prompts(args.prompts, args.n)]
     first.generate(ids[0][:, :8], max_new_tokens=4)  # warm-up
-    # Interleaved per prompt (plain, then every variant), so the machine's drift hits every candidate alike.
-    plain = 0.0
-    wall = [0.0] * len(variants)
-    steps, tokens = [0] * len(variants), [0] * len(variants)
-    for x in ids:
-        t0 = time.perf_counter()
-        first.base_model.generate(x, max_new_tokens=args.max_new_tokens, do_sample=False)
-        plain += time.perf_counter() - t0
-        for i, (_, model, size) in enumerate(variants):
-            model.config.tree_nodes = size
-            t0 = time.perf_counter()
-            out = model.generate(x, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
-            wall[i] += time.perf_counter() - t0
-            steps[i] += len(out.accepted_lengths)
-            tokens[i] += out.num_new_tokens
+    methods = {"plain": plain(first)} | {label: with_tree_nodes(model, size) for label, model, size in variants}
+    prompts = [(i, "dev", x) for i, x in enumerate(ids)]
+    # run_prompts interleaves the candidates per prompt (drift hits them alike), keeps the median of --repeats
+    # and checks every answer against plain generate(); speedups are per token (summary_rows).
+    rows = {r["method"]: r for r in summary_rows(run_prompts(methods, prompts, args.max_new_tokens, args.dtype,
+                                                             repeats=args.repeats))}  # fmt: skip
     results = {}
-    for i, (label, _, size) in enumerate(variants):
-        tau = (tokens[i] - len(ids)) / max(1, steps[i])
-        results[label] = {"size": size, "speedup": round(plain / wall[i], 3), "tau": round(tau, 2)}
-        print(f"{label}: {results[label]['speedup']:.2f}x, τ {results[label]['tau']:.2f}", flush=True)
+    for label, _, size in variants:
+        r = rows[label]
+        results[label] = {k: r[k] for k in ("speedup", "tau", "identical", "min_prompt_speedup", "repeat_mismatches")}
+        results[label]["size"] = size
+        print(
+            f"{label}: {r['speedup']:.2f}x, τ {r['tau']:.2f}, identical {r['identical']}, "
+            f"slowest prompt {r['min_prompt_speedup']:.2f}x",
+            flush=True,
+        )
     best = max(results, key=lambda k: results[k]["speedup"])
     print(f"fastest on {len(ids)} development prompts: {best}")
     if args.write:

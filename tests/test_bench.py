@@ -139,3 +139,28 @@ def test_tree_sweep_candidates_and_write_guard():
     ]
     with pytest.raises(SystemExit):
         main(["--heads", "eagle", "--heads", "mtp", "--write"])
+
+
+def test_tree_sweep_sizes_share_one_model():
+    """Each candidate sets its own default tree size on the shared model right before decoding."""
+    from types import SimpleNamespace
+
+    from mtp.bench.tree_sweep import with_tree_nodes
+
+    seen = []
+
+    class Fake:
+        config = SimpleNamespace(tree_nodes=16)
+
+        def generate(self, ids, max_new_tokens, return_dict_in_generate):
+            seen.append(self.config.tree_nodes)
+            new = torch.ones(1, max_new_tokens, dtype=ids.dtype)
+            return SimpleNamespace(sequences=torch.cat([ids, new], 1), accepted_lengths=[2] * (max_new_tokens // 2))
+
+    model = Fake()
+    four, eight = with_tree_nodes(model, 4), with_tree_nodes(model, 8)
+    x = torch.tensor([[5, 6]])
+    assert eight(x, 4).accepted_lengths == [2, 2]
+    four(x, 4)
+    eight(x, 4)
+    assert seen == [8, 4, 8]

@@ -71,7 +71,23 @@ def test_feature_cache_is_complete_and_resumable(features):
     again = cache_features(FeatureOptions(model=str(model), data=stdlib_files(), out=out, block_size=128,
                                           eval_fraction=0.1, eval_max_blocks=8, draft_vocab_size=200,
                                           batch_size=8, shard_blocks=16, dtype="float32"))  # fmt: skip
-    assert again["tokens_computed"] == 0
+    assert again["tokens_computed"] == 0 and again["complete"]
+
+
+def test_a_cache_still_being_computed_trains_on_its_finished_shards(tmp_path, features):
+    """The eval split and the info file come first, so a half-computed cache (killed, or still running) is
+    already a training set: the drafter reads the finished train shards and says how many it used."""
+    model, feats, info = features
+    partial = tmp_path / "partial"
+    shutil.copytree(feats, partial)
+    shards = sorted((partial / "train").glob("shard-*"))
+    for extra in shards[1:]:
+        shutil.rmtree(extra)
+    (partial / "train" / "shard-00001.tmp").mkdir()  # a shard being written is not read
+    meta = json.loads((partial / "features_info.json").read_text())
+    (partial / "features_info.json").write_text(json.dumps({**meta, "complete": False}))
+    res = train_drafter(_opts(model, partial, tmp_path / "run", max_steps=2, save_every=2))
+    assert res["train_blocks_used"] == 16 < info["train_blocks"]  # shard_blocks=16: the first shard only
 
 
 def test_drafter_learns_every_depth(tmp_path, features):

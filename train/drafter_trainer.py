@@ -355,6 +355,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         print(f"resumed from {ckpt} (step {step})")
     metrics_path = out / "metrics.jsonl"
     N = 0 if train is None else train["input_ids"].shape[0]
+    if not info.get("complete", True) and train is not None:
+        print(f"{feats} is still being computed: training on its {N} finished of {info['train_blocks']} blocks")
     per_epoch = max(1, N // opts.micro_batch)
 
     def order(epoch: int) -> list[int]:
@@ -433,6 +435,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         "wall_seconds_this_run": round(time.time() - t0, 1),
         "tokens_per_second_this_run": round(tokens_done / max(1e-9, time.time() - t0), 1),
         "feature_load_seconds": round(load_s, 1),
+        "train_blocks_used": N,
         "heldout": final_eval,
         "untrained": json.loads((out / "eval_untrained.json").read_text())
         if (out / "eval_untrained.json").exists()

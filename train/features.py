@@ -5,8 +5,9 @@ Re-running a 30-layer backbone in every training step of a one-layer drafter spe
 on the backbone; computing its features once turns every further epoch into drafter-only work.
 
 Per packed block (``data.block_size`` tokens, `train.data.prepare_data`, assistant-token masks) the cache
-stores, as a `datasets` dataset (``train/`` and ``eval/``, in ``shard-NNNNN`` folders; a rerun skips finished
-shards, so a killed job loses at most one shard):
+stores, as a `datasets` dataset (``eval/`` then ``train/``, in ``shard-NNNNN`` folders; a rerun skips finished
+shards, so a killed job loses at most one shard, and a drafter can train on the finished shards of a cache
+whose ``features_info.json`` still says ``"complete": false``):
 
   input_ids  (T,) int32       the tokens
   loss_mask  (T,) uint8       1 where the token is a training target (assistant text)
@@ -164,13 +165,6 @@ def cache_features(opts: FeatureOptions) -> dict[str, Any]:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     vocab = frequent_tokens(targets, opts.draft_vocab_size, base.config.vocab_size, always=eos)
     (out / VOCAB).write_text(json.dumps(vocab.tolist()))
-    t1 = time.time()
-    total = packed.train_ids.shape[0] + packed.eval_ids.shape[0]
-    with tqdm(total=total, desc="features", unit="block") as bar:
-        n_train = _write_split(base, packed.train_ids, packed.train_mask, layers, out / "train", opts, bar)
-        n_eval = _write_split(base, packed.eval_ids, packed.eval_mask, layers, out / "eval", opts, bar)
-    seconds = time.time() - t1
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     info = {
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
         "feature_layers": list(layers),
@@ -178,12 +172,25 @@ def cache_features(opts: FeatureOptions) -> dict[str, Any]:
         "eval_blocks": int(packed.eval_ids.shape[0]),
         "train_target_tokens": int(train_mask.sum()),
         "documents": packed.num_documents,
-        "tokens_computed": n_train + n_eval,
         "prepare_seconds": round(prep_s, 1),
-        "feature_seconds": round(seconds, 1),
-        "bytes": size,
         "draft_vocab_size": int(vocab.numel()),
+        "complete": False,
     }
+    # Written before the first block and completed at the end: the eval split comes first and the info file
+    # exists from the start, so a drafter can train on the shards finished so far while (or instead of)
+    # computing the rest; a rerun of the same command then finishes the cache.
+    (out / INFO).write_text(json.dumps(info, indent=2))
+    t1 = time.time()
+    total = packed.train_ids.shape[0] + packed.eval_ids.shape[0]
+    with tqdm(total=total, desc="features", unit="block") as bar:
+        n_eval = _write_split(base, packed.eval_ids, packed.eval_mask, layers, out / "eval", opts, bar)
+        n_train = _write_split(base, packed.train_ids, packed.train_mask, layers, out / "train", opts, bar)
+    info.update(
+        complete=True,
+        tokens_computed=n_train + n_eval,
+        feature_seconds=round(time.time() - t1, 1),
+        bytes=sum(f.stat().st_size for f in out.rglob("*") if f.is_file()),
+    )
     (out / INFO).write_text(json.dumps(info, indent=2))
     return info
 
