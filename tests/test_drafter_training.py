@@ -190,8 +190,8 @@ def test_init_from_warm_starts_a_new_run(tmp_path, features):
 def test_conditional_rank_probabilities_follow_the_draft_chain(tmp_path, features):
     """cond_rank_probs counts depth j only where depths < j drafted the teacher's token (which the text then
     continues with), checked against a loop over positions; the export hands them to the tree builder."""
-    from mtp.train.drafter_trainer import RANKS, _batch, _load_split, default_tree_size, depth_losses
-    from mtp.train.features import VOCAB
+    from mtp.train.drafter_trainer import RANKS, _batch, default_tree_size, depth_losses
+    from mtp.train.features import VOCAB, load_split
 
     model, feats, _ = features
     run = tmp_path / "run"
@@ -202,7 +202,7 @@ def test_conditional_rank_probabilities_follow_the_draft_chain(tmp_path, feature
     drafter = m.heads.float().eval()
     vocab = torch.tensor(json.loads((feats / VOCAB).read_text()))
     teacher_w = m.base_model.get_output_embeddings().weight.detach()[vocab].float()
-    held = _load_split(feats / "eval")
+    held = load_split(feats / "eval")
     batch = _batch(held, list(range(min(4, held["input_ids"].shape[0]))))
     steps = 3
     counts = [torch.zeros(RANKS + 1, dtype=torch.long) for _ in range(steps)]

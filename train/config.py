@@ -76,6 +76,10 @@ class DataSection:
     eval_path: str | None = None  # separate held-out data instead of a split
     max_documents: int | None = None  # read at most this many documents/rows
     num_proc: int | None = None  # datasets.map workers
+    # A feature cache (`python -m mtp.train.features`) instead of `path`: its blocks, loss masks and the
+    # frozen base's final hidden states, so a frozen-backbone run never runs the backbone (MTP modules and
+    # Medusa heads read nothing else). Its own eval split is the held-out set.
+    features: str | None = None
 
 
 @dataclass
@@ -240,8 +244,17 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.eval_fraction' must be in [0, 1), got {cfg.data.eval_fraction}")
     if not 0.0 <= cfg.loss.soft_weight <= 1.0:
         raise ConfigError(f"config key 'loss.soft_weight' must be in [0, 1], got {cfg.loss.soft_weight}")
-    if not cfg.data.path:
-        raise ConfigError("config key 'data.path' is required (a file, glob, directory or 'sharegpt')")
+    if cfg.data.features:
+        if cfg.data.path or cfg.data.eval_path:
+            raise ConfigError("config keys 'data.features' and 'data.path'/'data.eval_path' exclude each other: "
+                              "a feature cache brings its own blocks and held-out split")  # fmt: skip
+        if cfg.mode == "medusa2":
+            raise ConfigError("config key 'data.features' needs mode: medusa1: the cache holds the frozen base's "
+                              "hidden states, and Medusa-2 trains the backbone (LoRA), which changes them")  # fmt: skip
+    elif not cfg.data.path:
+        raise ConfigError(
+            "config key 'data.path' is required (a file, glob, directory or 'sharegpt'), or 'data.features'"
+        )
     if cfg.train.max_minutes is not None and cfg.train.max_minutes <= 0:
         raise ConfigError(f"config key 'train.max_minutes' must be > 0, got {cfg.train.max_minutes}")
     if cfg.train.stop_after_steps is not None and cfg.train.stop_after_steps < 1:

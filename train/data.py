@@ -47,6 +47,10 @@ class PackedData:
     eval_ids: torch.Tensor
     eval_mask: torch.Tensor | None
     num_documents: int
+    # From a feature cache (`data.features`): the frozen base's final hidden states (N, L, d) of these
+    # blocks, so the backbone never runs in training; None: the trainer runs it.
+    train_hidden: torch.Tensor | None = None
+    eval_hidden: torch.Tensor | None = None
 
     @property
     def train_tokens(self) -> int:

@@ -66,24 +66,6 @@ class DrafterOptions:
     export_only: bool = False  # evaluate the latest checkpoint and export it, without training further
 
 
-def _load_split(directory: Path) -> dict[str, torch.Tensor]:
-    """All shards of one split as in-memory tensors (fp16 features stay fp16)."""
-    from datasets import concatenate_datasets, load_from_disk
-
-    shards = sorted(p for p in directory.glob("shard-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    if not shards:
-        raise FileNotFoundError(f"no feature shards in {directory}: run `python -m mtp.train.features` first")
-    ds = concatenate_datasets([load_from_disk(str(p)) for p in shards]).with_format("numpy")
-    table = ds[:]
-    cols = {}
-    for name in ("input_ids", "loss_mask", "aux", "final", "target"):
-        cols[name] = torch.from_numpy(table[name])
-    cols["input_ids"] = cols["input_ids"].long()
-    cols["target"] = cols["target"].long()
-    cols["loss_mask"] = cols["loss_mask"].bool()
-    return cols
-
-
 def _lr(step: int, opts: DrafterOptions) -> float:
     if step < opts.warmup_steps:
         return opts.lr * (step + 1) / opts.warmup_steps
@@ -303,7 +285,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
 
     from mtp.heads import build_heads
 
-    from .features import INFO, VOCAB, load_base
+    from .features import INFO, VOCAB, load_base, load_split
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -339,8 +321,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     drafter.float().train()
     teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
     t_load = time.time()
-    train = None if opts.export_only else _load_split(feats / "train")
-    held = _load_split(feats / "eval")
+    train = None if opts.export_only else load_split(feats / "train")
+    held = load_split(feats / "eval")
     load_s = time.time() - t_load
     optim = torch.optim.AdamW(drafter.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, betas=(0.9, 0.95))
     step = 0

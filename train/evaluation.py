@@ -52,8 +52,11 @@ def evaluate(
     batch_size: int,
     env: DistEnv,
     chunk_size: int = 1024,
+    hidden: torch.Tensor | None = None,
 ) -> EvalResult:
-    """Score the held-out blocks (rank r takes blocks r, r+W, ...; counts are summed over ranks)."""
+    """Score the held-out blocks (rank r takes blocks r, r+W, ...; counts are summed over ranks).
+
+    hidden: the blocks' precomputed final hidden states (a feature cache), or None to run the backbone."""
     was_training = module.training
     module.eval()
     K = module.heads.num_heads
@@ -72,9 +75,12 @@ def evaluate(
         batch = ids[idx].to(env.device)
         m = mask[idx].to(env.device) if mask is not None else torch.ones_like(batch, dtype=torch.bool)
         m = m if real else torch.zeros_like(m)
-        hidden = module.hidden(batch, grad=False)
-        feats = module.head_features(hidden, batch)
-        _score_batch(module, hidden, feats, batch, m, counts, loss_sum, rows, chunk_size)
+        if hidden is None:
+            h = module.hidden(batch, grad=False)
+        else:
+            h = hidden[idx].to(device=env.device, dtype=module.lm_head.weight.dtype)
+        feats = module.head_features(h, batch)
+        _score_batch(module, h, feats, batch, m, counts, loss_sum, rows, chunk_size)
     module.train(was_training)
     counts, loss_sum, rows = (sum_over_ranks(env, t.to(env.device)).cpu() for t in (counts, loss_sum, rows))
     probs = counts / rows.clamp(min=1)[:, None]

@@ -72,6 +72,66 @@ def _shards(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("shard-*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
+COLUMNS = ("input_ids", "loss_mask", "aux", "final", "target")
+
+
+def load_split(directory: Path, columns: tuple[str, ...] = COLUMNS) -> dict[str, torch.Tensor]:
+    """The finished shards of one split as in-memory tensors (fp16 features stay fp16).
+
+    columns: what to read; MTP modules need only ``final`` (a quarter of the bytes of ``aux`` + ``final``)."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    shards = _shards(Path(directory))
+    if not shards:
+        raise FileNotFoundError(f"no feature shards in {directory}: run `python -m mtp.train.features` first")
+    ds = concatenate_datasets([load_from_disk(str(p)) for p in shards]).select_columns(list(columns))
+    table = ds.with_format("numpy")[:]
+    cols = {name: torch.from_numpy(table[name]) for name in columns}
+    for name in ("input_ids", "target"):
+        if name in cols:
+            cols[name] = cols[name].long()
+    if "loss_mask" in cols:
+        cols["loss_mask"] = cols["loss_mask"].bool()
+    return cols
+
+
+@torch.no_grad()
+def packed_from_features(directory: Path, base: Any, eval_max_blocks: int | None = None) -> Any:
+    """A feature cache as the Medusa/MTP trainer's data: blocks, loss masks and final hidden states.
+
+    Why a check: the cached states stand in for the backbone in every step, so a cache of another base (or
+    another fine-tune of it) would train heads for a model they never run on. The first held-out block is
+    recomputed with `base` and must match the cache (relative error below 5%; on SmolLM2 the bf16 base
+    reproduces its bf16 cache exactly, and the fp32 base differs from it by 1.6%)."""
+    from .data import PackedData
+
+    directory = Path(directory)
+    if not (directory / INFO).is_file():
+        raise FileNotFoundError(f"{directory}: no {INFO}; build a cache with `python -m mtp.train.features`")
+    info = json.loads((directory / INFO).read_text())
+    cols = ("input_ids", "loss_mask", "final")
+    train, held = load_split(directory / "train", cols), load_split(directory / "eval", cols)
+    if eval_max_blocks is not None:
+        held = {k: v[:eval_max_blocks] for k, v in held.items()}
+    d = base.config.hidden_size
+    if train["final"].shape[-1] != d:
+        raise ValueError(f"{directory}: cached hidden size {train['final'].shape[-1]}, this base's {d}")
+    x = held["input_ids"][:1]
+    ref = base(input_ids=x, output_hidden_states=True).hidden_states[-1].float()
+    rel = float((held["final"][:1].float() - ref).norm() / ref.norm().clamp(min=1e-12))
+    if rel > 0.05:
+        raise ValueError(
+            f"{directory} was computed by another model: its hidden states differ from this base's by {rel:.0%} "
+            f"on the first held-out block (model {info['options']['model']!r} in {INFO})"
+        )
+    if not info.get("complete", True):
+        print(f"{directory} is still being computed: training on its {len(train['input_ids'])} finished blocks")
+    return PackedData(
+        train["input_ids"], train["loss_mask"], held["input_ids"], held["loss_mask"],
+        num_documents=int(info["documents"]), train_hidden=train["final"], eval_hidden=held["final"],
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def _write_split(
     base: Any,

@@ -103,11 +103,23 @@ class MTPTrainModule(nn.Module):
     # ---- loss ---------------------------------------------------------------------------------------
 
     def forward(
-        self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None = None, joint: bool = False
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        joint: bool = False,
+        hidden: torch.Tensor | None = None,
     ) -> LossOutput:
-        """Loss of one micro-batch. joint=False: heads only (Medusa-1, Medusa-2 warm-up)."""
+        """Loss of one micro-batch. joint=False: heads only (Medusa-1, Medusa-2 warm-up).
+
+        hidden: the frozen backbone's final hidden states of `input_ids`, precomputed (a feature cache);
+        then the backbone does not run at all."""
         cfg = self.loss_cfg
-        hidden = self.hidden(input_ids, grad=joint)
+        if hidden is None:
+            hidden = self.hidden(input_ids, grad=joint)
+        elif joint:
+            raise ValueError("precomputed hidden states are a frozen backbone's: joint training runs the backbone")
+        else:
+            hidden = hidden.to(self.lm_head.weight.dtype)
         soft = cfg.soft_targets and cfg.soft_weight > 0
         teacher = None
         if soft:

@@ -244,12 +244,13 @@ def train_step(
         idx = plan.indices(step * accum + micro)
         ids = data.train_ids[idx].to(env.device)
         mask = data.train_mask[idx].to(env.device) if data.train_mask is not None else None
+        hidden = data.train_hidden[idx].to(env.device) if data.train_hidden is not None else None
         if engine is not None:
-            out = engine(ids, mask, joint)
+            out = engine(ids, mask, joint, hidden)
             engine.backward(out.loss)  # DeepSpeed scales by 1/accum itself
             engine.step()  # applies the update only at the accumulation boundary
         else:
-            out = module(ids, mask, joint)
+            out = module(ids, mask, joint, hidden)
             (out.loss / accum).backward()
         losses += torch.cat([out.loss.detach().double().cpu().view(1), out.base_ce.double().view(1),
                              out.head_ce.double()]) / accum  # fmt: skip
@@ -331,8 +332,13 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
     torch.manual_seed(cfg.train.seed)
 
     base, tokenizer, base_path = load_backbone(cfg, env)
-    with D.main_process_first(env):
-        data = prepare_data(cfg.data, tokenizer, base.get_output_embeddings().weight.shape[0], cfg.train.seed)
+    if cfg.data.features:  # the frozen backbone's features, computed once: the backbone never runs here
+        from .features import packed_from_features
+
+        data = packed_from_features(Path(cfg.data.features), base, cfg.data.eval_max_blocks)
+    else:
+        with D.main_process_first(env):
+            data = prepare_data(cfg.data, tokenizer, base.get_output_embeddings().weight.shape[0], cfg.train.seed)
     mtp_model, peft_model = build_model(cfg, base, base_path)
     module = MTPTrainModule(base, mtp_model.heads, cfg.loss, peft_model).to(env.device)
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -358,7 +364,8 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
     tracker.write(_describe_run(cfg, env, data, trainable, resume_from))
 
     before = _baseline(cfg, module, data, env, out, state.step)
-    step_tokens = cfg.train.micro_batch_size * cfg.data.block_size * cfg.train.grad_accum * env.world_size
+    block = int(data.train_ids.shape[1])  # a feature cache keeps the block size it was computed with
+    step_tokens = cfg.train.micro_batch_size * block * cfg.train.grad_accum * env.world_size
     t_last, tokens_last = time.perf_counter(), state.tokens
     window: list[StepResult] = []  # steps since the last log line
     trim_heap = HeapTrimmer()
@@ -426,7 +433,8 @@ def _resume(directory: Path, fresh: TrainerState, env, module, peft_model, optim
 
 
 def _evaluate(module, data: PackedData, cfg: Config, env: D.DistEnv, step: int) -> EvalResult:
-    res = evaluate(module, data.eval_ids, data.eval_mask, cfg.train.micro_batch_size, env, cfg.loss.chunk_size)
+    res = evaluate(module, data.eval_ids, data.eval_mask, cfg.train.micro_batch_size, env, cfg.loss.chunk_size,
+                   hidden=data.eval_hidden)  # fmt: skip
     res.step = step
     return res
 
@@ -482,8 +490,9 @@ def _describe_run(cfg: Config, env: D.DistEnv, data: PackedData, trainable: list
     resumed = f", resuming from {resume_from}" if resume_from else ""
     return (
         f"{cfg.mode}: {cfg.heads.num_heads} {cfg.heads.head_type} heads, {n / 1e6:.2f}M trainable params, {how}; "
-        f"{data.train_ids.shape[0]} train / {data.eval_ids.shape[0]} held-out blocks of {cfg.data.block_size} "
+        f"{data.train_ids.shape[0]} train / {data.eval_ids.shape[0]} held-out blocks of {data.train_ids.shape[1]} "
         f"tokens from {data.num_documents} documents{resumed}"
+        + (f"; base features from {cfg.data.features}" if cfg.data.features else "")
     )
 
 

@@ -1,0 +1,117 @@
+"""MTP modules (and Medusa heads) trained from a feature cache: the same training without the backbone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_support import load_heads, make_config, read_metrics, stdlib_files, tiny_ckpt  # noqa: F401
+
+from mtp.train.config import ConfigError
+from mtp.train.features import FeatureOptions, cache_features
+from mtp.train.trainer import train
+
+RUN = ("heads.head_type=mtp", "heads.num_heads=2", "loss.soft_targets=true", "train.max_steps=4", "optim.lr=3e-3",
+       "data.eval_max_blocks=48")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_ckpt) -> Path:  # noqa: F811
+    """The tiny Llama with its final norm scaled x16: as peaked as a trained model, so heads can learn."""
+    from transformers import AutoModelForCausalLM
+
+    sharp = tmp_path_factory.mktemp("sharp") / "tiny-llama"
+    shutil.copytree(tiny_ckpt, sharp)
+    m = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        m.model.norm.weight.mul_(16.0)
+    m.save_pretrained(sharp)
+    return sharp
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, base) -> Path:
+    """The base's features over the same documents, packing and split as the trainer's data in RUN."""
+    out = tmp_path_factory.mktemp("features") / "cache"
+    cache_features(FeatureOptions(model=str(base), data=stdlib_files(), out=out, block_size=64, eval_fraction=0.1,
+                                  eval_max_blocks=48, draft_vocab_size=200, batch_size=8, dtype="float32"))  # fmt: skip
+    return out
+
+
+class _CountForwards:
+    """Counts forward calls of one module class anywhere (a global hook: the trainer builds its own model)."""
+
+    def __init__(self, cls_name: str):
+        self.cls_name, self.calls = cls_name, 0
+
+    def __enter__(self) -> _CountForwards:
+        def hook(module, args, output):
+            self.calls += type(module).__name__ == self.cls_name
+
+        self.handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def test_training_from_the_cache_matches_training_with_the_backbone(tmp_path, cache, base):
+    """Same blocks, same batches, same losses (up to the cache's fp16 storage), same heads; the backbone
+    runs once (the cache check) instead of in every step and evaluation."""
+    online = tmp_path / "online"
+    with _CountForwards("LlamaModel") as with_backbone:
+        train(make_config(base, online, *RUN))
+    offline = tmp_path / "offline"
+    with _CountForwards("LlamaModel") as from_cache:
+        train(make_config(base, offline, *RUN, "data.path=", f"data.features={cache}"))
+    assert from_cache.calls == 1 and with_backbone.calls > 8
+    a, b = read_metrics(online), read_metrics(offline)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=2e-3), (x, y)
+    wa, wb = load_heads(online / "mtp_heads.safetensors"), load_heads(offline / "mtp_heads.safetensors")
+    # Adam moves every weight by ~lr per step whatever its gradient's size, so a weight whose gradient is
+    # near zero can step either way after fp16 rounding: compare the runs' difference with how far they moved.
+    from transformers import AutoModelForCausalLM
+
+    from mtp import MTPModel
+
+    start = MTPModel.from_base(AutoModelForCausalLM.from_pretrained(base), num_heads=2, head_type="mtp")
+    w0 = {k: v.float() for k, v in start.heads.state_dict().items()}
+    for k in wa:
+        moved = float((wa[k] - w0[k]).norm())
+        assert float((wb[k] - wa[k]).norm()) <= 0.02 * moved, k
+    # and the held-out evaluation from cached states scores what the backbone's states score
+    ea, eb = (json.loads((d / "eval_accuracy.json").read_text())["heads"] for d in (online, offline))
+    for x, y in zip(ea, eb, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-3) and y["top5"] == pytest.approx(x["top5"], abs=2e-3)
+
+
+def test_the_cache_must_come_from_this_base(tmp_path, cache, base):
+    """Heads trained on another model's hidden states would be useless on this one: refused, with why."""
+    from transformers import AutoModelForCausalLM
+
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    m = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight.mul_(3.0)  # a different fine-tune of the same architecture
+    m.save_pretrained(other)
+    with pytest.raises(ValueError, match="computed by another model"):
+        train(make_config(other, tmp_path / "run", *RUN, "data.path=", f"data.features={cache}"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("mode=medusa2",), "needs mode: medusa1"),
+        ((), "exclude each other"),
+    ],
+)
+def test_feature_cache_config_is_checked(tmp_path, cache, tiny_ckpt, overrides, message):  # noqa: F811
+    extra = () if overrides == () else ("data.path=",)
+    with pytest.raises(ConfigError, match=message):
+        make_config(tiny_ckpt, tmp_path / "run", *RUN, *extra, *overrides, f"data.features={cache}")
