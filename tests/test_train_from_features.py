@@ -115,3 +115,55 @@ def test_feature_cache_config_is_checked(tmp_path, cache, tiny_ckpt, overrides, 
     extra = () if overrides == () else ("data.path=",)
     with pytest.raises(ConfigError, match=message):
         make_config(tiny_ckpt, tmp_path / "run", *RUN, *extra, *overrides, f"data.features={cache}")
+
+
+def test_draft_vocab_loss_is_the_teachers_distribution_over_those_tokens(base):
+    """loss.draft_vocab: every head row's loss is the soft CE between the heads' and the teacher's
+    distributions over the draft vocabulary's rows of the lm_head, checked against a direct computation;
+    with every token id in the draft vocabulary it is exactly the ordinary loss."""
+    from transformers import AutoModelForCausalLM
+
+    from mtp import MTPModel
+    from mtp.train.config import LossSection
+    from mtp.train.objective import MTPTrainModule, head_rows
+
+    torch.manual_seed(0)
+    backbone = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    heads = MTPModel.from_base(backbone, num_heads=2, head_type="mtp").heads
+    cfg = LossSection(soft_targets=True, soft_weight=1.0, decay=0.8)
+    module = MTPTrainModule(backbone, heads, cfg)
+    ids = torch.randint(0, 264, (2, 40))
+    full = module(ids).loss.detach()
+    module.set_draft_vocab(torch.arange(264))
+    assert float(module(ids).loss.detach()) == pytest.approx(float(full), rel=1e-6)
+
+    vocab = torch.arange(0, 264, 3)  # every third token
+    module.set_draft_vocab(vocab)
+    got = module(ids).loss.detach()
+    hidden = module.hidden(ids, grad=False)
+    feats = module.head_features(hidden, ids)
+    w = backbone.lm_head.weight[vocab]
+    want = 0.0
+    for k in range(2):
+        r = head_rows(feats[k], ids, torch.ones_like(ids, dtype=torch.bool), k, cfg.decay**k, hidden)
+        teacher = torch.softmax(r.teacher @ w.T, -1)
+        want += (r.weight * -(teacher * torch.log_softmax(r.x @ w.T, -1)).sum(-1)).sum()
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert float(got) != pytest.approx(float(full), rel=1e-3)
+
+
+def test_draft_vocab_training_saves_the_vocabulary_and_checks_its_config(tmp_path, cache, base):
+    out = tmp_path / "run"
+    vocab = json.loads((cache / "draft_vocab.json").read_text())
+    train(make_config(base, out, *RUN, "data.path=", f"data.features={cache}", f"loss.draft_vocab={cache}"))
+    from mtp import MTPModel
+
+    trained = MTPModel.from_pretrained(out)
+    assert trained.draft_vocab.tolist() == sorted(vocab)
+    trained.set_draft_vocab(None)
+    trained.save_pretrained(tmp_path / "no-vocab", heads_only=True)
+    for bad, message in [("loss.soft_weight=0.5", "soft_weight: 1.0"), ("heads.own_lm_head=true", "own_lm_head")]:
+        with pytest.raises(ConfigError, match=message):
+            make_config(base, out, *RUN, f"loss.draft_vocab={cache}", bad)
+    with pytest.raises(ConfigError, match="no draft vocabulary"):
+        train(make_config(base, tmp_path / "r2", *RUN, f"loss.draft_vocab={tmp_path / 'no-vocab'}"))

@@ -50,6 +50,12 @@ class LossSection:
     impl: Literal["fused", "checkpoint"] = "fused"  # checkpoint: plain autograd + recomputation (a cross-check)
     base_weight: float = 1.0  # Medusa-2: weight of the base LM loss in the joint phase
     heads_weight: float = 1.0  # Medusa-2: weight of the summed head losses in the joint phase
+    # Train the heads over the token ids they will draft from (a draft_vocab.json, a feature cache dir or
+    # a heads dir that has one): the heads' and the teacher's projections use only those rows of the base
+    # lm_head (8192 of 49152 for SmolLM2: the loss is most of a step's time), and the trained heads are
+    # saved with that draft vocabulary. Needs soft_targets with soft_weight 1 (the teacher's distribution
+    # over those tokens is the whole target) and heads that share the base lm_head.
+    draft_vocab: str | None = None
 
 
 @dataclass
@@ -244,6 +250,16 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.eval_fraction' must be in [0, 1), got {cfg.data.eval_fraction}")
     if not 0.0 <= cfg.loss.soft_weight <= 1.0:
         raise ConfigError(f"config key 'loss.soft_weight' must be in [0, 1], got {cfg.loss.soft_weight}")
+    if cfg.loss.draft_vocab:
+        if not (cfg.loss.soft_targets and cfg.loss.soft_weight == 1.0) or cfg.mode != "medusa1":
+            raise ConfigError(
+                "config key 'loss.draft_vocab' needs mode: medusa1 and loss.soft_targets: true with "
+                "loss.soft_weight: 1.0 (a token outside the draft vocabulary has no hard target)"
+            )
+        if cfg.heads.own_lm_head:
+            raise ConfigError(
+                "config key 'loss.draft_vocab' restricts the shared base lm_head: heads.own_lm_head must be false"
+            )
     if cfg.data.features:
         if cfg.data.path or cfg.data.eval_path:
             raise ConfigError("config keys 'data.features' and 'data.path'/'data.eval_path' exclude each other: "

@@ -65,6 +65,22 @@ class MTPTrainModule(nn.Module):
         params = inspect.signature(backbone.forward).parameters
         self._keep_kwarg = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._heads_take_ids = "input_ids" in inspect.signature(heads.head_hidden).parameters
+        self._draft_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Score the heads' training loss over these token ids only (`loss.draft_vocab`); None: all.
+
+        The rows of the frozen lm_head are copied once. Evaluation keeps the full vocabulary (`projection`),
+        so accuracies stay comparable with heads trained without a draft vocabulary."""
+        if token_ids is None:
+            self._draft_rows = None
+            return
+        weight, bias = self.projection(None)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=weight.device)
+        self._draft_rows = (
+            weight.detach().index_select(0, ids).contiguous(),
+            None if bias is None else bias.detach().index_select(0, ids).contiguous(),
+        )
 
     # ---- pieces ---------------------------------------------------------------------------------------
 
@@ -173,6 +189,9 @@ class MTPTrainModule(nn.Module):
         sw = cfg.soft_weight if teacher is not None else 0.0
         weight, bias = self.projection(k)
         teacher_weight, teacher_bias = self.projection(None)
+        if self._draft_rows is not None:  # the config check guarantees sw == 1: y is never read
+            weight, bias = teacher_weight, teacher_bias = self._draft_rows
+            y = torch.zeros_like(y)
         if self.impl == "checkpoint":
             project = lambda z: nn.functional.linear(z, weight, bias)  # noqa: E731
             teacher_project = lambda z: nn.functional.linear(z, teacher_weight, teacher_bias)  # noqa: E731

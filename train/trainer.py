@@ -108,6 +108,26 @@ def build_model(cfg: Config, base: nn.Module, base_path: Path) -> tuple[MTPModel
     return mtp_model, peft_model
 
 
+def read_draft_vocab(source: Path) -> torch.Tensor:
+    """Token ids from a draft_vocab.json file, a dir with one (a feature cache), or a heads dir whose
+    checkpoint carries a draft vocabulary (`mtp export --draft-vocab`, the shipped heads)."""
+    import json
+
+    from mtp.checkpoint import load_heads_state
+
+    if source.is_file():
+        return torch.tensor(json.loads(source.read_text()), dtype=torch.long)
+    if (source / "draft_vocab.json").is_file():
+        return read_draft_vocab(source / "draft_vocab.json")
+    try:
+        _, _, ids = load_heads_state(source)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"config key 'loss.draft_vocab': {e}") from e
+    if ids is None:
+        raise ConfigError(f"config key 'loss.draft_vocab': the heads in {source} have no draft vocabulary")
+    return ids
+
+
 def _warm_start(heads: nn.Module, base: nn.Module, source: Path) -> None:
     """Continue from trained heads (a longer run on more data) instead of from the base's own weights.
 
@@ -341,6 +361,10 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
             data = prepare_data(cfg.data, tokenizer, base.get_output_embeddings().weight.shape[0], cfg.train.seed)
     mtp_model, peft_model = build_model(cfg, base, base_path)
     module = MTPTrainModule(base, mtp_model.heads, cfg.loss, peft_model).to(env.device)
+    if cfg.loss.draft_vocab:
+        ids = read_draft_vocab(Path(cfg.loss.draft_vocab))
+        mtp_model.set_draft_vocab(ids)  # saved with the heads: they will draft from what they trained on
+        module.set_draft_vocab(mtp_model.draft_vocab)
     trainable = [p for p in module.parameters() if p.requires_grad]
     D.broadcast_params(env, trainable)
     optimizer = build_optimizer(cfg, mtp_model.heads, base)
