@@ -90,6 +90,23 @@ def test_a_cache_still_being_computed_trains_on_its_finished_shards(tmp_path, fe
     assert res["train_blocks_used"] == 16 < info["train_blocks"]  # shard_blocks=16: the first shard only
 
 
+def test_a_cache_can_stop_at_a_chosen_size(tmp_path, features):
+    """--max-train-blocks computes a prefix of the full cache: the same first shard, the same vocabulary."""
+    from datasets import load_from_disk
+
+    model, full, info = features
+    out = tmp_path / "prefix"
+    small = cache_features(FeatureOptions(model=str(model), data=stdlib_files(), out=out, block_size=128,
+                                          eval_fraction=0.1, eval_max_blocks=8, draft_vocab_size=200, batch_size=8,
+                                          shard_blocks=16, dtype="float32", max_train_blocks=16))  # fmt: skip
+    assert small["complete"] and small["train_blocks"] == 16 < small["train_blocks_available"] == info["train_blocks"]
+    assert [p.name for p in (out / "train").iterdir()] == ["shard-00000"]
+    assert (out / "draft_vocab.json").read_text() == (full / "draft_vocab.json").read_text()
+    a = load_from_disk(str(out / "train" / "shard-00000")).with_format("numpy")[:]
+    b = load_from_disk(str(full / "train" / "shard-00000")).with_format("numpy")[:]
+    assert (a["input_ids"] == b["input_ids"]).all() and (a["final"] == b["final"]).all()
+
+
 def test_drafter_learns_every_depth(tmp_path, features):
     model, feats, _ = features
     res = train_drafter(_opts(model, feats, tmp_path / "run", max_steps=80, eval_every=80, save_every=80))

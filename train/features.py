@@ -42,6 +42,9 @@ class FeatureOptions:
     data: list[str] = field(default_factory=lambda: ["sharegpt"])
     out: Path = Path("runs/features")
     max_documents: int | None = None
+    # compute only the first N train blocks (a prefix of the full cache: the same shards, the same draft
+    # vocabulary, counted over every block), to stop a cache at a chosen size reproducibly
+    max_train_blocks: int | None = None
     block_size: int = 512
     eval_fraction: float = 0.04
     eval_max_blocks: int = 48
@@ -225,12 +228,20 @@ def cache_features(opts: FeatureOptions) -> dict[str, Any]:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     vocab = frequent_tokens(targets, opts.draft_vocab_size, base.config.vocab_size, always=eos)
     (out / VOCAB).write_text(json.dumps(vocab.tolist()))
+    available = int(packed.train_ids.shape[0])
+    train_ids, train_mask_kept = packed.train_ids, packed.train_mask
+    if opts.max_train_blocks is not None:
+        if opts.max_train_blocks < 1:
+            raise ValueError(f"--max-train-blocks must be >= 1, got {opts.max_train_blocks}")
+        train_ids = train_ids[: opts.max_train_blocks]
+        train_mask_kept = None if train_mask_kept is None else train_mask_kept[: opts.max_train_blocks]
     info = {
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
         "feature_layers": list(layers),
-        "train_blocks": int(packed.train_ids.shape[0]),
+        "train_blocks": int(train_ids.shape[0]),
+        "train_blocks_available": available,
         "eval_blocks": int(packed.eval_ids.shape[0]),
-        "train_target_tokens": int(train_mask.sum()),
+        "train_target_tokens": int(train_mask[: train_ids.shape[0]].sum()),
         "documents": packed.num_documents,
         "prepare_seconds": round(prep_s, 1),
         "draft_vocab_size": int(vocab.numel()),
@@ -241,10 +252,10 @@ def cache_features(opts: FeatureOptions) -> dict[str, Any]:
     # computing the rest; a rerun of the same command then finishes the cache.
     (out / INFO).write_text(json.dumps(info, indent=2))
     t1 = time.time()
-    total = packed.train_ids.shape[0] + packed.eval_ids.shape[0]
+    total = train_ids.shape[0] + packed.eval_ids.shape[0]
     with tqdm(total=total, desc="features", unit="block") as bar:
         n_eval = _write_split(base, packed.eval_ids, packed.eval_mask, layers, out / "eval", opts, bar)
-        n_train = _write_split(base, packed.train_ids, packed.train_mask, layers, out / "train", opts, bar)
+        n_train = _write_split(base, train_ids, train_mask_kept, layers, out / "train", opts, bar)
     info.update(
         complete=True,
         tokens_computed=n_train + n_eval,
@@ -263,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", nargs="+", default=["sharegpt"], help="train.data sources (distill dirs, sharegpt, ...)")
     p.add_argument("--out", required=True)
     p.add_argument("--max-documents", type=int, default=None)
+    p.add_argument("--max-train-blocks", type=int, default=None, help="compute only the first N train blocks")
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--feature-layers", type=int, nargs="+", default=None)
     p.add_argument("--draft-vocab-size", type=int, default=8192)
@@ -275,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             data=a.data,
             out=Path(a.out),
             max_documents=a.max_documents,
+            max_train_blocks=a.max_train_blocks,
             block_size=a.block_size,
             feature_layers=a.feature_layers,
             draft_vocab_size=a.draft_vocab_size,
