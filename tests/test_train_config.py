@@ -29,7 +29,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_shipped_heads_config_validates():
-    """The recipes of the shipped heads (configs/smollm2-mtp*.yaml, three stages) stay loadable and chained."""
+    """The recipes of the shipped heads (configs/smollm2-mtp*.yaml, four stages) stay loadable and chained."""
     cfg = load_config(REPO / "configs" / "smollm2-mtp.yaml")
     assert (cfg.heads.head_type, cfg.heads.num_heads, cfg.loss.soft_targets) == ("mtp", 3, True)
     assert cfg.data.eval_path and "sharegpt" in cfg.data.path
@@ -41,6 +41,11 @@ def test_shipped_heads_config_validates():
         assert stage.data.eval_path == cfg.data.eval_path  # the same held-out answers, never trained on
         assert stage.train.output_dir != previous.train.output_dir
         previous = stage
+    # stage 4: stage 3's export, continued on a feature cache, with the loss over that export's draft vocabulary
+    stage4 = load_config(REPO / "configs" / "smollm2-mtp-features.yaml")
+    assert stage4.data.features and stage4.heads.init_from == stage4.loss.draft_vocab
+    assert (stage4.heads.head_type, stage4.heads.num_heads) == (cfg.heads.head_type, cfg.heads.num_heads)
+    assert f"--out {stage4.heads.init_from}" in (REPO / "README.md").read_text()  # the README exports stage 3 there
 
 
 @pytest.mark.parametrize("name", ["ds_zero2.json", "ds_zero3.json"])
