@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_support import stdlib_files, tiny_ckpt  # noqa: F401
+from test_train_support import sharpened_copy, stdlib_files, tiny_ckpt  # noqa: F401
 
 from mtp.train.drafter_trainer import DrafterOptions, train_drafter
 from mtp.train.features import FeatureOptions, cache_features
@@ -21,19 +21,8 @@ from mtp.train.features import FeatureOptions, cache_features
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory, tiny_ckpt):  # noqa: F811
-    """Features of the tiny Llama with its final norm scaled x16: a random model's next-token distribution
-    is nearly uniform (nothing to learn); scaled, it is as peaked as a trained model's."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    sharp = tmp_path_factory.mktemp("sharp") / "tiny-llama"
-    shutil.copytree(tiny_ckpt, sharp)
-    m = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
-    with torch.no_grad():
-        m.model.norm.weight.mul_(16.0)
-    m.save_pretrained(sharp)
-    tiny_ckpt = sharp
+    """Features of the tiny Llama, sharpened (`sharpened_copy`) so that there is something to learn."""
+    tiny_ckpt = sharpened_copy(tiny_ckpt, tmp_path_factory.mktemp("sharp") / "tiny-llama")
     out = tmp_path_factory.mktemp("features") / "cache"
     info = cache_features(
         FeatureOptions(model=str(tiny_ckpt), data=stdlib_files(), out=out, block_size=128, eval_fraction=0.1,

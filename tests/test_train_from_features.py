@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_support import load_heads, make_config, read_metrics, stdlib_files, tiny_ckpt  # noqa: F401
+from test_train_support import (  # noqa: F401
+    load_heads,
+    make_config,
+    read_metrics,
+    sharpened_copy,
+    stdlib_files,
+    tiny_ckpt,
+)
 
 from mtp.train.config import ConfigError
 from mtp.train.features import FeatureOptions, cache_features
@@ -20,16 +27,8 @@ RUN = ("heads.head_type=mtp", "heads.num_heads=2", "loss.soft_targets=true", "tr
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_ckpt) -> Path:  # noqa: F811
-    """The tiny Llama with its final norm scaled x16: as peaked as a trained model, so heads can learn."""
-    from transformers import AutoModelForCausalLM
-
-    sharp = tmp_path_factory.mktemp("sharp") / "tiny-llama"
-    shutil.copytree(tiny_ckpt, sharp)
-    m = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
-    with torch.no_grad():
-        m.model.norm.weight.mul_(16.0)
-    m.save_pretrained(sharp)
-    return sharp
+    """The tiny Llama, sharpened (`sharpened_copy`) so that heads can learn."""
+    return sharpened_copy(tiny_ckpt, tmp_path_factory.mktemp("sharp") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

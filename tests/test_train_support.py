@@ -34,6 +34,21 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
+def sharpened_copy(model: Path, dest: Path) -> Path:
+    """A copy of a tiny checkpoint with its final norm scaled x16: a random model's next-token distribution is
+    nearly uniform (nothing for heads to learn); scaled, it is as peaked as a trained model's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(model, dest)
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        m.model.norm.weight.mul_(16.0)
+    m.save_pretrained(dest)
+    return dest
+
+
 def base_config(model: Path, output_dir: Path, data: Any = None) -> dict[str, Any]:
     return {
         "model": {"path": str(model)},

@@ -285,7 +285,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
 
     from mtp.heads import build_heads
 
-    from .features import INFO, VOCAB, load_base, load_split
+    from .features import INFO, VOCAB, load_base, load_split, note_if_incomplete
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -337,8 +337,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         print(f"resumed from {ckpt} (step {step})")
     metrics_path = out / "metrics.jsonl"
     N = 0 if train is None else train["input_ids"].shape[0]
-    if not info.get("complete", True) and train is not None:
-        print(f"{feats} is still being computed: training on its {N} finished of {info['train_blocks']} blocks")
+    if train is not None:
+        note_if_incomplete(feats, info, N)
     per_epoch = max(1, N // opts.micro_batch)
 
     def order(epoch: int) -> list[int]:

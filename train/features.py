@@ -98,6 +98,13 @@ def load_split(directory: Path, columns: tuple[str, ...] = COLUMNS) -> dict[str,
     return cols
 
 
+def note_if_incomplete(directory: Path, info: dict[str, Any], used_blocks: int) -> None:
+    """Say so when a trainer reads a cache whose computation has not finished (`"complete": false`)."""
+    if not info.get("complete", True):
+        print(f"{directory} is still being computed: training on its {used_blocks} finished of "
+              f"{info['train_blocks']} blocks")  # fmt: skip
+
+
 @torch.no_grad()
 def packed_from_features(directory: Path, base: Any, eval_max_blocks: int | None = None) -> Any:
     """A feature cache as the Medusa/MTP trainer's data: blocks, loss masks and final hidden states.
@@ -127,8 +134,7 @@ def packed_from_features(directory: Path, base: Any, eval_max_blocks: int | None
             f"{directory} was computed by another model: its hidden states differ from this base's by {rel:.0%} "
             f"on the first held-out block (model {info['options']['model']!r} in {INFO})"
         )
-    if not info.get("complete", True):
-        print(f"{directory} is still being computed: training on its {len(train['input_ids'])} finished blocks")
+    note_if_incomplete(directory, info, len(train["input_ids"]))
     return PackedData(
         train["input_ids"], train["loss_mask"], held["input_ids"], held["loss_mask"],
         num_documents=int(info["documents"]), train_hidden=train["final"], eval_hidden=held["final"],

@@ -115,10 +115,12 @@ def read_draft_vocab(source: Path) -> torch.Tensor:
 
     from mtp.checkpoint import load_heads_state
 
+    from .features import VOCAB
+
     if source.is_file():
         return torch.tensor(json.loads(source.read_text()), dtype=torch.long)
-    if (source / "draft_vocab.json").is_file():
-        return read_draft_vocab(source / "draft_vocab.json")
+    if (source / VOCAB).is_file():
+        return read_draft_vocab(source / VOCAB)
     try:
         _, _, ids = load_heads_state(source)
     except (FileNotFoundError, ValueError) as e:
