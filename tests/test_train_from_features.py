@@ -103,6 +103,34 @@ def test_the_cache_must_come_from_this_base(tmp_path, cache, base):
         train(make_config(other, tmp_path / "run", *RUN, "data.path=", f"data.features={cache}"))
 
 
+def test_several_caches_train_together(tmp_path, cache, base):
+    """data.features: [A, B] trains on both caches' blocks (nothing recomputed), and the held-out blocks are
+    shared evenly between them; caches of different block sizes are refused."""
+    from transformers import AutoModelForCausalLM
+
+    from mtp.train.features import load_split, packed_from_features
+
+    other = tmp_path / "other-cache"
+    cache_features(FeatureOptions(model=str(base), data=stdlib_files(["textwrap.py"]), out=other, block_size=64,
+                                  eval_fraction=0.2, draft_vocab_size=200, batch_size=8, dtype="float32"))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    a, b = (load_split(d / "train", ("input_ids",))["input_ids"] for d in (cache, other))
+    b_eval = load_split(other / "eval", ("input_ids",))["input_ids"]
+    assert len(b_eval) >= 3
+    both = packed_from_features([cache, other], model, eval_max_blocks=7)
+    assert torch.equal(both.train_ids, torch.cat([a, b])) and both.train_hidden.shape[:2] == both.train_ids.shape
+    assert torch.equal(both.eval_ids[4:], b_eval[:3]) and len(both.eval_ids) == 7  # 4 + 3: the first takes 7 % 2
+    run = tmp_path / "run"
+    train(make_config(base, run, *RUN, "data.path=", f"data.features=[{cache}, {other}]"))
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+
+    longer = tmp_path / "longer-blocks"
+    cache_features(FeatureOptions(model=str(base), data=stdlib_files(["textwrap.py"]), out=longer, block_size=128,
+                                  eval_fraction=0.2, draft_vocab_size=200, batch_size=8, dtype="float32"))  # fmt: skip
+    with pytest.raises(ValueError, match="one block size"):
+        packed_from_features([cache, longer], model)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -166,3 +194,41 @@ def test_draft_vocab_training_saves_the_vocabulary_and_checks_its_config(tmp_pat
             make_config(base, out, *RUN, f"loss.draft_vocab={cache}", bad)
     with pytest.raises(ConfigError, match="no draft vocabulary"):
         train(make_config(base, tmp_path / "r2", *RUN, f"loss.draft_vocab={tmp_path / 'no-vocab'}"))
+
+
+def test_heads_are_also_scored_against_the_bases_greedy_token(base):
+    """evaluate's greedy_top1/greedy_top5: how often head k's guesses at position t include the base's own
+    greedy token at position t+k+1 (what a draft must match to be accepted), on the positions whose token
+    t+k+2 is a target, checked against a direct count."""
+    from transformers import AutoModelForCausalLM
+
+    from mtp import MTPModel
+    from mtp.train.config import LossSection
+    from mtp.train.distributed import DistEnv
+    from mtp.train.evaluation import evaluate
+    from mtp.train.objective import MTPTrainModule
+
+    torch.manual_seed(0)
+    backbone = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    heads = MTPModel.from_base(backbone, num_heads=2, head_type="mtp").heads
+    module = MTPTrainModule(backbone, heads, LossSection(soft_targets=True))
+    ids = torch.randint(0, 264, (6, 48))
+    mask = torch.rand(6, 48) < 0.7
+    res = evaluate(module, ids, mask, batch_size=2, env=DistEnv(), chunk_size=16)
+    with torch.no_grad():
+        hidden = module.hidden(ids, grad=False)
+        greedy = backbone.lm_head(hidden).argmax(-1)  # (B, T): the base's choice for the next position
+        feats = module.head_features(hidden, ids)
+        for k, h in enumerate(res.heads):
+            s = k + 2
+            top = backbone.lm_head(feats[k, :, : 48 - s]).topk(5, dim=-1).indices  # (B, T-s, 5)
+            ref = greedy[:, k + 1 : 48 - 1]
+            rows = mask[:, s:]
+            want1 = (top[..., 0] == ref)[rows].double().mean()
+            want5 = (top == ref[..., None]).any(-1)[rows].double().mean()
+            assert h.greedy_top1 == pytest.approx(float(want1), abs=1e-9)
+            assert h.greedy_top5 == pytest.approx(float(want5), abs=1e-9)
+            assert 0 < h.greedy_top5 < 1
+            # the count tells positions apart: one position off, it would be another number
+            shifted = (top == greedy[:, k : 48 - 2, None]).any(-1)[rows].double().mean()
+            assert h.greedy_top5 != pytest.approx(float(shifted), abs=1e-6)

@@ -84,8 +84,9 @@ class DataSection:
     num_proc: int | None = None  # datasets.map workers
     # A feature cache (`python -m mtp.train.features`) instead of `path`: its blocks, loss masks and the
     # frozen base's final hidden states, so a frozen-backbone run never runs the backbone (MTP modules and
-    # Medusa heads read nothing else). Its own eval split is the held-out set.
-    features: str | None = None
+    # Medusa heads read nothing else). Its own eval split is the held-out set. A list of caches trains on
+    # all of them (their held-out blocks shared evenly under eval_max_blocks).
+    features: str | list[str] | None = None
 
 
 @dataclass

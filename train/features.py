@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,27 +106,11 @@ def note_if_incomplete(directory: Path, info: dict[str, Any], used_blocks: int) 
               f"{info['train_blocks']} blocks")  # fmt: skip
 
 
-@torch.no_grad()
-def packed_from_features(directory: Path, base: Any, eval_max_blocks: int | None = None) -> Any:
-    """A feature cache as the Medusa/MTP trainer's data: blocks, loss masks and final hidden states.
-
-    Why a check: the cached states stand in for the backbone in every step, so a cache of another base (or
-    another fine-tune of it) would train heads for a model they never run on. The first held-out block is
-    recomputed with `base` and must match the cache (relative error below 5%; on SmolLM2 the bf16 base
-    reproduces its bf16 cache exactly, and the fp32 base differs from it by 1.6%)."""
-    from .data import PackedData
-
-    directory = Path(directory)
-    if not (directory / INFO).is_file():
-        raise FileNotFoundError(f"{directory}: no {INFO}; build a cache with `python -m mtp.train.features`")
-    info = json.loads((directory / INFO).read_text())
-    cols = ("input_ids", "loss_mask", "final")
-    train, held = load_split(directory / "train", cols), load_split(directory / "eval", cols)
-    if eval_max_blocks is not None:
-        held = {k: v[:eval_max_blocks] for k, v in held.items()}
+def _check_cache(directory: Path, info: dict[str, Any], held: dict[str, torch.Tensor], base: Any) -> None:
+    """Refuse a cache of another base: its first held-out block, recomputed, must match (see below)."""
     d = base.config.hidden_size
-    if train["final"].shape[-1] != d:
-        raise ValueError(f"{directory}: cached hidden size {train['final'].shape[-1]}, this base's {d}")
+    if held["final"].shape[-1] != d:
+        raise ValueError(f"{directory}: cached hidden size {held['final'].shape[-1]}, this base's {d}")
     x = held["input_ids"][:1]
     ref = base(input_ids=x, output_hidden_states=True).hidden_states[-1].float()
     rel = float((held["final"][:1].float() - ref).norm() / ref.norm().clamp(min=1e-12))
@@ -134,10 +119,55 @@ def packed_from_features(directory: Path, base: Any, eval_max_blocks: int | None
             f"{directory} was computed by another model: its hidden states differ from this base's by {rel:.0%} "
             f"on the first held-out block (model {info['options']['model']!r} in {INFO})"
         )
-    note_if_incomplete(directory, info, len(train["input_ids"]))
+
+
+@torch.no_grad()
+def packed_from_features(
+    directories: Path | str | Sequence[Path | str], base: Any, eval_max_blocks: int | None = None
+) -> Any:
+    """One or more feature caches as the Medusa/MTP trainer's data: blocks, loss masks, final hidden states.
+
+    Several caches (e.g. a large mixed one and a newer one of the model's own answers) train together
+    without recomputing the first: their train blocks are concatenated, and the held-out blocks are shared
+    evenly among them (``eval_max_blocks // n`` each, the first taking the remainder), so the trainer's
+    evaluation reports on every kind of data it trains on.
+
+    Why a check: the cached states stand in for the backbone in every step, so a cache of another base (or
+    another fine-tune of it) would train heads for a model they never run on. The first held-out block of
+    each cache is recomputed with `base` and must match the cache (relative error below 5%; on SmolLM2 the
+    bf16 base reproduces its bf16 cache exactly, and the fp32 base differs from it by 1.6%)."""
+    from .data import PackedData
+
+    dirs = [Path(directories)] if isinstance(directories, (str, Path)) else [Path(d) for d in directories]
+    if not dirs:
+        raise ValueError("no feature cache given")
+    cols = ("input_ids", "loss_mask", "final")
+    trains, helds, documents = [], [], 0
+    for i, directory in enumerate(dirs):
+        if not (directory / INFO).is_file():
+            raise FileNotFoundError(f"{directory}: no {INFO}; build a cache with `python -m mtp.train.features`")
+        info = json.loads((directory / INFO).read_text())
+        train, held = load_split(directory / "train", cols), load_split(directory / "eval", cols)
+        if eval_max_blocks is not None:
+            share = eval_max_blocks // len(dirs) + (eval_max_blocks % len(dirs) if i == 0 else 0)
+            held = {k: v[:share] for k, v in held.items()}
+        _check_cache(directory, info, held, base)
+        if trains and train["input_ids"].shape[1] != trains[0]["input_ids"].shape[1]:
+            raise ValueError(
+                f"{directory}: blocks of {train['input_ids'].shape[1]} tokens, {dirs[0]}: "
+                f"{trains[0]['input_ids'].shape[1]}; caches trained together need one block size"
+            )
+        note_if_incomplete(directory, info, len(train["input_ids"]))
+        trains.append(train)
+        helds.append(held)
+        documents += int(info["documents"])
+
+    def cat(splits: list[dict[str, torch.Tensor]], name: str) -> torch.Tensor:
+        return splits[0][name] if len(splits) == 1 else torch.cat([s[name] for s in splits])
+
     return PackedData(
-        train["input_ids"], train["loss_mask"], held["input_ids"], held["loss_mask"],
-        num_documents=int(info["documents"]), train_hidden=train["final"], eval_hidden=held["final"],
+        cat(trains, "input_ids"), cat(trains, "loss_mask"), cat(helds, "input_ids"), cat(helds, "loss_mask"),
+        num_documents=documents, train_hidden=cat(trains, "final"), eval_hidden=cat(helds, "final"),
     )  # fmt: skip
 
 

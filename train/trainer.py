@@ -357,7 +357,8 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
     if cfg.data.features:  # the frozen backbone's features, computed once: the backbone never runs here
         from .features import packed_from_features
 
-        data = packed_from_features(Path(cfg.data.features), base, cfg.data.eval_max_blocks)
+        caches = [cfg.data.features] if isinstance(cfg.data.features, str) else cfg.data.features
+        data = packed_from_features([Path(c) for c in caches], base, cfg.data.eval_max_blocks)
     else:
         with D.main_process_first(env):
             data = prepare_data(cfg.data, tokenizer, base.get_output_embeddings().weight.shape[0], cfg.train.seed)
@@ -415,7 +416,8 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
                         show={"loss": f"{summary.loss:.3f}", "tok/s": f"{tok_s:.0f}"})  # fmt: skip
         if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step < cfg.train.max_steps:
             res = _evaluate(module, data, cfg, env, state.step)
-            tracker.log(state.step, {f"eval/head{h.head}_top1": h.top1 for h in res.heads})
+            tracker.log(state.step, {**{f"eval/head{h.head}_top1": h.top1 for h in res.heads},
+                                     **{f"eval/head{h.head}_greedy_top1": h.greedy_top1 for h in res.heads}})  # fmt: skip
             tracker.write(format_table(res, before))
         if cfg.train.max_minutes is not None and _time_up(env, state.elapsed_s, cfg.train.max_minutes):
             stop = finished_at = state.step  # a time-boxed run ends as a finished one
