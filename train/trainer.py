@@ -416,8 +416,9 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
                         show={"loss": f"{summary.loss:.3f}", "tok/s": f"{tok_s:.0f}"})  # fmt: skip
         if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step < cfg.train.max_steps:
             res = _evaluate(module, data, cfg, env, state.step)
-            tracker.log(state.step, {**{f"eval/head{h.head}_top1": h.top1 for h in res.heads},
-                                     **{f"eval/head{h.head}_greedy_top1": h.greedy_top1 for h in res.heads}})  # fmt: skip
+            scores = {f"eval/head{h.head}_top1": h.top1 for h in res.heads}
+            scores.update({f"eval/head{h.head}_greedy_top1": h.greedy_top1 for h in res.heads})
+            tracker.log(state.step, scores)
             tracker.write(format_table(res, before))
         if cfg.train.max_minutes is not None and _time_up(env, state.elapsed_s, cfg.train.max_minutes):
             stop = finished_at = state.step  # a time-boxed run ends as a finished one
