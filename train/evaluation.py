@@ -3,12 +3,12 @@
 For every head we count how often the true token t+k+2 is the head's rank-r guess, for r = 0..7. From
 these exact-rank counts come top-1 / top-5 accuracy (cumulative sums) and the per-rank probabilities that
 `mtp.tree.build_tree` consumes as `MTPConfig.head_accuracies` (accuracies[k][r] = P(rank r is right)).
+Logits are computed in chunks of rows, as in training, so evaluation fits next to it in memory.
 
 Beside the text's token, each head is also scored against the base's own greedy choice at that position
 (`greedy_top1`, `greedy_top5`): a draft is accepted when it is what the base would say, not what the text
 says, so this is the number that acceptance follows (the text's token is the base's greedy one only ~60% of
 the time on chat data).
-Logits are computed in chunks of rows, as in training, so evaluation fits next to it in memory.
 """
 
 from __future__ import annotations
