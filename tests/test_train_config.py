@@ -46,6 +46,10 @@ def test_shipped_heads_config_validates():
     assert stage4.data.features and stage4.heads.init_from == stage4.loss.draft_vocab
     assert (stage4.heads.head_type, stage4.heads.num_heads) == (cfg.heads.head_type, cfg.heads.num_heads)
     assert f"--out {stage4.heads.init_from}" in (REPO / "README.md").read_text()  # the README exports stage 3 there
+    # stage 5 (measured, not shipped): stage 4's export, continued on its cache and one more, same draft vocabulary
+    stage5 = load_config(REPO / "configs" / "smollm2-mtp-stage5.yaml")
+    assert stage5.heads.init_from == stage5.loss.draft_vocab and stage4.data.features in stage5.data.features
+    assert f"--out {stage5.heads.init_from}" in (REPO / "configs" / "smollm2-mtp-stage5.yaml").read_text()
 
 
 @pytest.mark.parametrize("name", ["ds_zero2.json", "ds_zero3.json"])
