@@ -141,7 +141,7 @@ def _score(
     keep = mask.reshape(-1)
     x = feats.reshape(-1, d)[keep]
     y = targets.reshape(-1)[keep]
-    where = keep.nonzero().squeeze(1)
+    where = keep.nonzero().squeeze(1) if greedy_out is not None else None  # flat positions of the rows
     ref = reference.reshape(-1)[keep] if reference is not None else None
     for start in range(0, x.shape[0], chunk_size):
         xc, yc = x[start : start + chunk_size].to(w.dtype), y[start : start + chunk_size]

@@ -357,8 +357,7 @@ def _train(cfg: Config, env: D.DistEnv) -> Path:
     if cfg.data.features:  # the frozen backbone's features, computed once: the backbone never runs here
         from .features import packed_from_features
 
-        caches = [cfg.data.features] if isinstance(cfg.data.features, str) else cfg.data.features
-        data = packed_from_features([Path(c) for c in caches], base, cfg.data.eval_max_blocks)
+        data = packed_from_features(cfg.data.features, base, cfg.data.eval_max_blocks)  # one cache or a list
     else:
         with D.main_process_first(env):
             data = prepare_data(cfg.data, tokenizer, base.get_output_embeddings().weight.shape[0], cfg.train.seed)
