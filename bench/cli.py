@@ -16,7 +16,9 @@ import typer
 
 # chain, tree: the heads' drafts alone; tree_lookup: + prompt-lookup drafts in the same tree; auto: what
 # `model.generate()` does by default (adaptive tree + lookup).
-ALL_METHODS = "plain,prompt_lookup,assisted,chain,tree,tree_lookup,auto"
+DEFAULT_METHODS = "plain,prompt_lookup,assisted,chain,tree,tree_lookup,auto"
+# The compiled ones build their graphs first (minutes on 2 cores, not timed): only on request.
+ALL_METHODS = DEFAULT_METHODS + ",plain_compiled,auto_compiled"
 # prompt sets: MT-Bench first turns (--limit), held-out chat and code prompts (--heldout-n, --heldout-source)
 ALL_SETS = "mtbench,heldout-chat,heldout-code"
 
@@ -42,7 +44,11 @@ def bench(
     ),
     max_new_tokens: int = typer.Option(256),
     dtypes: str = typer.Option("float32,bfloat16", help="Comma-separated dtypes."),
-    methods: str = typer.Option(ALL_METHODS, help="Comma-separated subset of: " + ALL_METHODS),
+    methods: str = typer.Option(
+        DEFAULT_METHODS,
+        help="Comma-separated subset of: " + ALL_METHODS + " (*_compiled: verify steps through torch.compile; "
+        "plain_compiled: our loop drafting nothing, i.e. what compiling alone gives).",
+    ),
     tree: str = typer.Option("default", help="Tree for the 'tree' method: default | <node count> | JSON paths."),
     extra_heads: str = typer.Option(
         "",
@@ -71,7 +77,7 @@ def bench(
     from mtp import MTPModel
     from mtp.cli import _parse_tree
 
-    from .methods import assisted, ours, plain, prompt_lookup
+    from .methods import assisted, ours, ours_one_token, plain, prompt_lookup
     from .mtbench import chat_prompt_ids, first_turn_ids
     from .run import markdown_table, run_prompts, summary_rows, write_outputs
     from .verify_cost import relative, verify_cost_curve
@@ -95,6 +101,7 @@ def bench(
         }
         first = next(iter(sets.values()))
         table = {"plain": plain(mtp_model)}
+        compiled = None
         for name in wanted:
             if name == "prompt_lookup":
                 table[name] = prompt_lookup(mtp_model)
@@ -108,6 +115,11 @@ def bench(
                 table[name] = ours(mtp_model, _parse_tree(tree), prompt_lookup=True)
             elif name == "auto":
                 table[name] = ours(mtp_model, None, prompt_lookup=True)
+            elif name in ("plain_compiled", "auto_compiled"):
+                compiled = compiled or _compiled(mtp_model)
+                table[name] = (
+                    ours_one_token(compiled) if name == "plain_compiled" else ours(compiled, None, prompt_lookup=True)
+                )
         for spec in [x for x in extra_heads.split(",") if x.strip()]:
             label, _, directory = spec.partition("=")
             if not directory:
@@ -197,6 +209,16 @@ def _prompt_sets(spec: str, limit: int, heldout_n: int, source: str) -> dict[str
     if not sets:
         raise typer.BadParameter("no prompts to run: every selected set is empty (--limit / --heldout-n)")
     return sets
+
+
+def _compiled(mtp_model):
+    """The same model (shared weights and heads) with its verify steps compiled, graphs built before timing."""
+    import copy
+
+    t0 = time.perf_counter()
+    compiled = copy.copy(mtp_model).compile_decoding()  # a shallow copy: the eager methods stay eager
+    typer.echo(f"compiled the verify forward in {time.perf_counter() - t0:.0f}s (not timed)")
+    return compiled
 
 
 def _sampling_run(mtp_model, prompts, max_new: int, temperature: float) -> dict:

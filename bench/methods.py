@@ -65,6 +65,16 @@ def ours(model: MTPModel, tree, prompt_lookup: bool = False) -> Method:
     return run
 
 
+def ours_one_token(model: MTPModel) -> Method:
+    """Our loop with drafting off: one token per step. With a compiled model, what compiling alone gives."""
+
+    def run(ids: torch.Tensor, max_new: int) -> MethodResult:
+        out = model.generate(ids, max_new_tokens=max_new, speculative=False, return_dict_in_generate=True)
+        return MethodResult(out.sequences, accepted_lengths=out.accepted_lengths)
+
+    return run
+
+
 def truncated_assistant(base: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     """A layer-skip draft model: the base's first `num_layers` layers with its own embeddings and head.
 

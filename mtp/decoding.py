@@ -17,8 +17,10 @@ many of those argmaxes one forward pass gets to confirm.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch import nn
@@ -201,10 +203,22 @@ def tree_attention_mask(
 
 
 class TreeScorer:
-    """Runs the base model over a prefix or a tree and keeps the KV cache consistent."""
+    """Runs the base model over a prefix or a tree and keeps the KV cache consistent.
 
-    def __init__(self, base_model: nn.Module, info: BaseInfo, feature_layers: tuple[int, ...] | None = None):
+    `forward`: what runs the verify steps (default: the model itself), e.g. a compiled forward
+    (`mtp.compiled`). The prompt's forward always runs eagerly: its length changes with every prompt
+    and it runs once per request, so compiling it would buy little for another graph to build.
+    """
+
+    def __init__(
+        self,
+        base_model: nn.Module,
+        info: BaseInfo,
+        feature_layers: tuple[int, ...] | None = None,
+        forward: Callable[..., Any] | None = None,
+    ):
         self.model, self.info = base_model, info
+        self.forward = forward if forward is not None else base_model
         self.feature_layers = feature_layers  # which hidden states the proposer observes (Proposer.feature_layers)
         self.cache = new_cache()
         self.dtype = next(base_model.parameters()).dtype
@@ -218,7 +232,8 @@ class TreeScorer:
         kwargs[self.info.cache_kwarg] = self.cache
         if last_only and self.info.logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=ids, use_cache=True, output_hidden_states=True, **kwargs)
+        forward = self.model if last_only else self.forward  # last_only: the prompt's forward
+        out = forward(input_ids=ids, use_cache=True, output_hidden_states=True, **kwargs)
         return out.logits[0], select_features(out.hidden_states, self.feature_layers)[0]  # (T|1, V), (T, d | n*d)
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,15 +268,17 @@ def speculative_generate(
     streamer=None,
     strategy: GreedyStrategy | SamplingStrategy | None = None,
     prompt_lookup: bool = False,
+    forward: Callable[..., Any] | None = None,
 ) -> GenerateOutput:
     """Self-speculative decoding of one sequence (see the module docstring for the steps).
 
-    prompt_lookup: graft prompt-lookup drafts onto each step's tree (see mtp.ngram)."""
+    prompt_lookup: graft prompt-lookup drafts onto each step's tree (see mtp.ngram).
+    forward: runs the verify steps in place of `base_model` (see `TreeScorer`)."""
     strategy = strategy or GreedyStrategy()
     prompt = input_ids[0]
     if max_new_tokens <= 0:
         return GenerateOutput(sequences=input_ids.clone(), prompt_length=input_ids.shape[1])
-    scorer = TreeScorer(base_model, info, getattr(proposer, "feature_layers", None))
+    scorer = TreeScorer(base_model, info, getattr(proposer, "feature_layers", None), forward)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 

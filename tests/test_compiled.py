@@ -1,0 +1,57 @@
+"""Decoding through a compiled verify forward (`MTPModel.compile_decoding`): the same tokens as `generate()`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, fit_heads, tiny_model
+from torch._dynamo.utils import counters
+
+from mtp import MTPModel
+
+# torch's compiler calls a deprecated torch.jit helper of its own while it builds graphs
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+
+
+def _counting(model: MTPModel) -> list[int]:
+    """Record the number of tree nodes of every call to the compiled forward."""
+    calls: list[int] = []
+    inner = model._verify_forward
+
+    def forward(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return inner(*args, **kwargs)
+
+    model._verify_forward = forward
+    return calls
+
+
+def test_compiled_decoding_matches_generate_and_needs_no_graph_after_warm_up():
+    torch._dynamo.reset()
+    base = tiny_model("llama", seed=1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (1, n), generator=g) for n in (3, 9)]
+    model, seqs = fit_heads(base, prompts, num_new=40, steps=200)
+    assert not model.compiled
+    model.compile_decoding()
+    assert model.compiled
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1  # the warm-up built them
+    calls = _counting(model)
+
+    # heads fitted to these continuations: most drafts accepted, through the compiled forward
+    for ids, ref in zip(prompts, seqs, strict=True):
+        for tree in ("chain", None):
+            new = ref.shape[1] - ids.shape[1]
+            out = model.generate(ids, max_new_tokens=new, tree=tree, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref), tree
+            assert out.tau > 2.0, (tree, out.accepted_lengths)
+    # new prompts: rejected drafts, crops in the middle of the cache, one-token steps
+    for plen, new in ((5, 30), (17, 25)):
+        ids = torch.randint(3, VOCAB, (1, plen), generator=g)
+        ref = base.generate(ids, max_new_tokens=new, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=new), ref)
+        assert torch.equal(model.generate(ids, max_new_tokens=new, speculative=False), ref)
+
+    assert calls and 1 in calls and max(calls) > 2  # verify steps of every size ran compiled
+    assert counters["stats"]["unique_graphs"] == graphs  # no request waited for a compile
