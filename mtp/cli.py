@@ -43,6 +43,9 @@ def generate(
     chat: bool = typer.Option(True, help="Wrap the prompt in the tokenizer's chat template if it has one."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16."),
     compare: bool = typer.Option(True, help="Also run plain generate() and check the outputs are identical."),
+    compile: bool = typer.Option(
+        False, "--compile", help="Run the verify steps through torch.compile (graphs built first: minutes)."
+    ),
 ) -> None:
     """Generate with self-speculative decoding; print the text, τ, tokens/s and the identity check."""
     import torch
@@ -62,6 +65,10 @@ def generate(
         )["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if compile:
+        t0 = time.perf_counter()
+        mtp_model.compile_decoding()
+        typer.echo(f"compiled the verify forward in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
     out = mtp_model.generate(ids, max_new_tokens=max_new_tokens, tree=_parse_tree(tree), return_dict_in_generate=True)
     dt = time.perf_counter() - t0

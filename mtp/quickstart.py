@@ -43,6 +43,9 @@ def quickstart(
         0.0, help="First train fresh MTP heads for this many minutes (cached: a second run reuses them)."
     ),
     threads: int = typer.Option(0, help="torch threads (0: leave torch's default)."),
+    compile: bool = typer.Option(
+        False, "--compile", help="Run the verify steps through torch.compile (graphs built first: minutes)."
+    ),
 ) -> None:
     """Answer a customer-support question with plain and self-speculative decoding, and compare."""
     import torch
@@ -67,6 +70,10 @@ def quickstart(
     )["input_ids"]
     typer.echo(f"\nuser: {prompt}\n")
 
+    if compile:
+        t0 = time.perf_counter()
+        model.compile_decoding()
+        typer.echo(f"compiled the verify forward in {time.perf_counter() - t0:.0f}s")
     model.generate(ids[:, :8], max_new_tokens=4)  # warm-up: first-call allocations are not the method's cost
     t0 = time.perf_counter()
     ref = model.base_model.generate(

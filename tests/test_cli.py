@@ -32,6 +32,9 @@ def test_generate_and_info_on_a_saved_checkpoint(tmp_path):
     res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat")
     assert res.returncode == 0, res.stderr
     assert "identical: True" in res.stdout and "τ=" in res.stdout
+    res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat", "--compile")
+    assert res.returncode == 0, res.stderr
+    assert "compiled the verify forward" in res.stdout and "identical: True" in res.stdout
     res = _mtp("info", str(tmp_path))
     assert res.returncode == 0 and '"head_type": "medusa"' in res.stdout
 
