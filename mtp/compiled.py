@@ -22,6 +22,8 @@ drafters, which are small next to the base.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +35,24 @@ from .decoding import TreeScorer
 from .tree import Tree
 
 
+def cpu_compiler() -> str | None:
+    """The C++ compiler inductor would use for CPU kernels (`$CXX`, g++, c++ or clang++), or None."""
+    candidates = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    return next((found for c in candidates if c and (found := shutil.which(c))), None)
+
+
 def compile_forward(base_model: nn.Module, **options: Any) -> Callable[..., Any]:
-    """`base_model.forward` through `torch.compile(dynamic=True, **options)`; lazy: nothing is built yet."""
+    """`base_model.forward` through `torch.compile(dynamic=True, **options)`; lazy: nothing is built yet.
+
+    On a CPU, inductor writes C++ kernels: without a compiler the first step would fail deep inside torch, so a
+    missing one is refused here with the fix.
+    """
+    on_cpu = next(base_model.parameters()).device.type == "cpu"
+    if on_cpu and options.get("backend", "inductor") == "inductor" and cpu_compiler() is None:
+        raise RuntimeError(
+            "compiled decoding on a CPU needs a C++ compiler for torch.compile's kernels, and none was found "
+            "($CXX, g++, c++, clang++): install one (e.g. apt install g++) or decode without compile_decoding()"
+        )
     return torch.compile(base_model.forward, **{"dynamic": True, **options})
 
 

@@ -5,11 +5,21 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import VOCAB, random_heads, tiny_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
+
+from mtp.compiled import cpu_compiler
+
+
+def _word_tokenizer() -> PreTrainedTokenizerFast:
+    """Words w0..w255 are token ids 0..255."""
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2")
 
 
 def _mtp(*args: str) -> subprocess.CompletedProcess:
@@ -24,19 +34,22 @@ def test_help_lists_subcommands():
 
 def test_generate_and_info_on_a_saved_checkpoint(tmp_path):
     model = random_heads(tiny_model("llama", seed=21), seed=21)
-    words = {f"w{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(WordLevel(words, unk_token="w0"))
-    tok.pre_tokenizer = Whitespace()
-    model.tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2")
+    model.tokenizer = _word_tokenizer()
     model.save_pretrained(tmp_path)
     res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat")
     assert res.returncode == 0, res.stderr
     assert "identical: True" in res.stdout and "τ=" in res.stdout
+    res = _mtp("info", str(tmp_path))
+    assert res.returncode == 0 and '"head_type": "medusa"' in res.stdout
+
+
+@pytest.mark.skipif(cpu_compiler() is None, reason="torch.compile on a CPU needs a C++ compiler: apt install g++")
+def test_generate_with_compiled_verify_steps(tmp_path):
+    random_heads(tiny_model("llama", seed=21), seed=21).save_pretrained(tmp_path)
+    _word_tokenizer().save_pretrained(tmp_path)
     res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat", "--compile")
     assert res.returncode == 0, res.stderr
     assert "compiled the verify forward" in res.stdout and "identical: True" in res.stdout
-    res = _mtp("info", str(tmp_path))
-    assert res.returncode == 0 and '"head_type": "medusa"' in res.stdout
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):

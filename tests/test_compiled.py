@@ -8,9 +8,13 @@ from conftest import VOCAB, fit_heads, tiny_model
 from torch._dynamo.utils import counters
 
 from mtp import MTPModel
+from mtp.compiled import cpu_compiler
 
-# torch's compiler calls a deprecated torch.jit helper of its own while it builds graphs
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
+pytestmark = [
+    # torch's compiler calls a deprecated torch.jit helper of its own while it builds graphs
+    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
+    pytest.mark.skipif(cpu_compiler() is None, reason="torch.compile on a CPU needs a C++ compiler: apt install g++"),
+]
 
 
 def _counting(model: MTPModel) -> list[int]:
@@ -55,3 +59,12 @@ def test_compiled_decoding_matches_generate_and_needs_no_graph_after_warm_up():
 
     assert calls and 1 in calls and max(calls) > 2  # verify steps of every size ran compiled
     assert counters["stats"]["unique_graphs"] == graphs  # no request waited for a compile
+
+
+def test_a_missing_cpu_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr("mtp.compiled.shutil.which", lambda name: None)
+    model = MTPModel.from_base(tiny_model("llama"), num_heads=2)
+    with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler"):
+        model.compile_decoding()
+    assert not model.compiled
