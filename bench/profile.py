@@ -100,9 +100,9 @@ def main() -> None:
     lookups = {"both": (False, True), "on": (True,), "off": (False,)}[args.lookup]
     prompts = [first_turn_ids(tokenizer, q) for q in load_mtbench(limit=args.limit)]
     if args.compile:
-        t0 = time.perf_counter()
-        model.compile_decoding()
-        print(f"compiled the verify forward in {time.perf_counter() - t0:.0f}s (not timed)")
+        from mtp.cli import _compile_decoding
+
+        _compile_decoding(model, " (not timed)")
     model.generate(prompts[0][:, :8], max_new_tokens=4)  # warm-up
     plain_s = plain_tokens = 0.0
     for ids in prompts:

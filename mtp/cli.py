@@ -29,6 +29,17 @@ def _parse_tree(tree: str):
         raise typer.BadParameter(f"--tree must be default, chain, a node count or JSON rank paths ({e})") from e
 
 
+def _compile_decoding(model, note: str = "") -> None:
+    """`model.compile_decoding()` for the commands: report how long the graphs took, and turn a missing C++
+    compiler into a clear error instead of a traceback."""
+    t0 = time.perf_counter()
+    try:
+        model.compile_decoding()
+    except RuntimeError as e:
+        _fail(str(e))
+    typer.echo(f"compiled the verify forward in {time.perf_counter() - t0:.0f}s{note}")
+
+
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
@@ -66,9 +77,7 @@ def generate(
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
     if compile:
-        t0 = time.perf_counter()
-        mtp_model.compile_decoding()
-        typer.echo(f"compiled the verify forward in {time.perf_counter() - t0:.0f}s")
+        _compile_decoding(mtp_model)
     t0 = time.perf_counter()
     out = mtp_model.generate(ids, max_new_tokens=max_new_tokens, tree=_parse_tree(tree), return_dict_in_generate=True)
     dt = time.perf_counter() - t0

@@ -50,7 +50,7 @@ def quickstart(
     """Answer a customer-support question with plain and self-speculative decoding, and compare."""
     import torch
 
-    from .cli import _parse_tree
+    from .cli import _compile_decoding, _parse_tree
     from .default_model import load_default_mtp
 
     if threads:
@@ -71,9 +71,7 @@ def quickstart(
     typer.echo(f"\nuser: {prompt}\n")
 
     if compile:
-        t0 = time.perf_counter()
-        model.compile_decoding()
-        typer.echo(f"compiled the verify forward in {time.perf_counter() - t0:.0f}s")
+        _compile_decoding(model)
     model.generate(ids[:, :8], max_new_tokens=4)  # warm-up: first-call allocations are not the method's cost
     t0 = time.perf_counter()
     ref = model.base_model.generate(

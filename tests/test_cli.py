@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -22,8 +23,10 @@ def _word_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2")
 
 
-def _mtp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mtp.cli", *args], capture_output=True, text=True, timeout=300)
+def _mtp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mtp.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_help_lists_subcommands():
@@ -50,6 +53,15 @@ def test_generate_with_compiled_verify_steps(tmp_path):
     res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat", "--compile")
     assert res.returncode == 0, res.stderr
     assert "compiled the verify forward" in res.stdout and "identical: True" in res.stdout
+
+
+def test_compile_without_a_cpu_compiler_is_a_clear_error(tmp_path):
+    random_heads(tiny_model("llama", seed=21), seed=21).save_pretrained(tmp_path)
+    _word_tokenizer().save_pretrained(tmp_path)
+    env = {**os.environ, "PATH": str(tmp_path / "no-bin"), "CXX": ""}  # no g++, c++ or clang++ to be found
+    res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9", "--no-chat", "--compile", env=env)
+    assert res.returncode == 2
+    assert "needs a C++ compiler" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
