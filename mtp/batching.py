@@ -75,7 +75,7 @@ class StepCost:
     @classmethod
     def measure(cls, model, sizes: Sequence[int] = (1, 4, 16, 32, 64, 128, 256), context: int = 256) -> StepCost:
         """Time forwards of `sizes` new tokens over a `context`-token cache, and one row's drafting."""
-        base, device = model.base_model, next(model.parameters()).device
+        base, device = model.decoding_base, next(model.parameters()).device
         vocab = model.info.vocab_size
         gen = torch.Generator().manual_seed(0)
         seconds = []
@@ -167,7 +167,7 @@ class BatchDecoder:
         guard: bool = True,
     ):
         self.model, self.info = model, model.info
-        self.base = model.base_model
+        self.base = model.decoding_base  # packed weights where the model has them (MTPModel.pack_decoding)
         self.max_batch_size, self.max_kv_tokens = max_batch_size, max_kv_tokens
         self.prefill_chunk, self.prompt_lookup = prefill_chunk, prompt_lookup
         self.probe_every, self.replan_every, self.guard = probe_every, replan_every, guard
