@@ -40,6 +40,18 @@ def _compile_decoding(model, note: str = "") -> None:
     typer.echo(f"compiled the verify forward in {time.perf_counter() - t0:.0f}s{note}")
 
 
+def _pack_decoding(model, pack: bool) -> None:
+    """`model.pack_decoding()` where the weights can be packed (a CPU with oneDNN), and say so."""
+    from .packed import can_pack
+
+    if pack and can_pack(model.base_model):
+        model.pack_decoding()
+        typer.echo("decoding from prepacked weights (--no-pack: the model's own)")
+
+
+PACK_HELP = "Decode from weights prepacked for the CPU's matmul kernels (faster, a second copy of the weights)."
+
+
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
@@ -57,6 +69,7 @@ def generate(
     compile: bool = typer.Option(
         False, "--compile", help="Run the verify steps through torch.compile (graphs built first: minutes)."
     ),
+    pack: bool = typer.Option(True, help=PACK_HELP),
 ) -> None:
     """Generate with self-speculative decoding; print the text, τ, tokens/s and the identity check."""
     import torch
@@ -76,6 +89,7 @@ def generate(
         )["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
+    _pack_decoding(mtp_model, pack)
     if compile:
         _compile_decoding(mtp_model)
     t0 = time.perf_counter()

@@ -46,11 +46,14 @@ def quickstart(
     compile: bool = typer.Option(
         False, "--compile", help="Run the verify steps through torch.compile (graphs built first: minutes)."
     ),
+    pack: bool = typer.Option(
+        True, help="Decode from weights prepacked for the CPU's matmul kernels (faster, a second copy of the weights)."
+    ),
 ) -> None:
     """Answer a customer-support question with plain and self-speculative decoding, and compare."""
     import torch
 
-    from .cli import _compile_decoding, _parse_tree
+    from .cli import _compile_decoding, _pack_decoding, _parse_tree
     from .default_model import load_default_mtp
 
     if threads:
@@ -70,6 +73,7 @@ def quickstart(
     )["input_ids"]
     typer.echo(f"\nuser: {prompt}\n")
 
+    _pack_decoding(model, pack)
     if compile:
         _compile_decoding(model)
     model.generate(ids[:, :8], max_new_tokens=4)  # warm-up: first-call allocations are not the method's cost
@@ -131,6 +135,7 @@ def train_quick_heads(minutes: float) -> Path:
     (`configs/smollm2-mtp.yaml`) but on ShareGPT alone with soft targets (the model's own next-token
     distribution), so no distillation pass is needed first. Cached per duration."""
     from .default_model import cache_root
+    from .packed import bf16_matmul_units
     from .train.config import config_from_dict
     from .train.trainer import train
 
@@ -138,11 +143,13 @@ def train_quick_heads(minutes: float) -> Path:
     if (out / "mtp_config.json").is_file():
         typer.echo(f"reusing heads trained for {minutes:g} min in {out}")
         return out
-    typer.echo(f"training 3 MTP modules for {minutes:g} min on ShareGPT (heads only, frozen SmolLM2) -> {out}")
+    # bf16 halves the backbone's cost where the CPU multiplies bf16 in hardware; emulated, it is many times slower
+    dtype = "bfloat16" if bf16_matmul_units() else "float32"
+    typer.echo(f"training 3 MTP modules for {minutes:g} min on ShareGPT (heads only, frozen {dtype} SmolLM2) -> {out}")
     cfg = config_from_dict(
         {
             "mode": "medusa1",
-            "model": {"path": "default", "dtype": "bfloat16"},
+            "model": {"path": "default", "dtype": dtype},
             "heads": {"head_type": "mtp", "num_heads": 3, "num_layers": 1},
             "loss": {"decay": 0.8, "soft_targets": True, "soft_weight": 1.0},
             "data": {"path": "sharegpt", "max_documents": 400, "block_size": 512, "eval_max_blocks": 8},

@@ -42,6 +42,9 @@ def serve(
         "auto", help="Draft tree: auto (the decoder's default) | default | chain | <node count> | JSON rank paths."
     ),
     threads: int | None = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
+    pack: bool = typer.Option(
+        True, help="Decode from weights prepacked for the CPU's matmul kernels (faster, a second copy of the weights)."
+    ),
     speculation: str = typer.Option(
         "auto",
         help="Default for requests that do not send 'speculative': on | off | auto (on, unless the heads are "
@@ -58,7 +61,7 @@ def serve(
     import torch
     import uvicorn
 
-    from mtp.cli import _parse_tree
+    from mtp.cli import _pack_decoding, _parse_tree
 
     from .app import ServeConfig, create_app
     from .engine import ModelRunner
@@ -78,6 +81,7 @@ def serve(
     except (FileNotFoundError, ValueError, OSError, ModuleNotFoundError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
+    _pack_decoding(loaded.model, pack)
     runner = ModelRunner(loaded.model, loaded.tokenizer, tree=None if tree == "auto" else _parse_tree(tree))
     default_speculative = speculation == "on" or (speculation == "auto" and loaded.trained_heads)
     note = loaded.note

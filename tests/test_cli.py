@@ -14,6 +14,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
 from mtp.compiled import cpu_compiler
+from mtp.packed import can_pack
 
 
 def _word_tokenizer() -> PreTrainedTokenizerFast:
@@ -39,9 +40,14 @@ def test_generate_and_info_on_a_saved_checkpoint(tmp_path):
     model = random_heads(tiny_model("llama", seed=21), seed=21)
     model.tokenizer = _word_tokenizer()
     model.save_pretrained(tmp_path)
+    packs = can_pack(model.base_model)  # on a CPU with oneDNN: decoding runs from prepacked weights by default
     res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat")
     assert res.returncode == 0, res.stderr
     assert "identical: True" in res.stdout and "τ=" in res.stdout
+    assert ("decoding from prepacked weights" in res.stdout) == packs
+    res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat", "--no-pack")
+    assert res.returncode == 0 and "identical: True" in res.stdout, res.stderr
+    assert "prepacked" not in res.stdout
     res = _mtp("info", str(tmp_path))
     assert res.returncode == 0 and '"head_type": "medusa"' in res.stdout
 
