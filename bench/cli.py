@@ -16,7 +16,7 @@ import typer
 
 # chain, tree: the heads' drafts alone; tree_lookup: + prompt-lookup drafts in the same tree; auto: what
 # `model.generate()` does by default (adaptive tree + lookup).
-DEFAULT_METHODS = "plain,prompt_lookup,assisted,chain,tree,tree_lookup,auto"
+DEFAULT_METHODS = "plain,prompt_lookup,assisted,chain,tree,tree_lookup,auto,plain_packed,auto_packed"
 # The compiled ones build their graphs first (minutes on 2 cores, not timed): only on request.
 ALL_METHODS = DEFAULT_METHODS + ",plain_compiled,auto_compiled"
 # prompt sets: MT-Bench first turns (--limit), held-out chat and code prompts (--heldout-n, --heldout-source)
@@ -46,8 +46,9 @@ def bench(
     dtypes: str = typer.Option("float32,bfloat16", help="Comma-separated dtypes."),
     methods: str = typer.Option(
         DEFAULT_METHODS,
-        help="Comma-separated subset of: " + ALL_METHODS + " (*_compiled: verify steps through torch.compile; "
-        "plain_compiled: our loop drafting nothing, i.e. what compiling alone gives).",
+        help="Comma-separated subset of: " + ALL_METHODS + " (*_packed: decoding from prepacked weights, "
+        "*_compiled: verify steps through torch.compile; plain_*: our loop drafting nothing, i.e. what packing "
+        "or compiling alone gives).",
     ),
     tree: str = typer.Option("default", help="Tree for the 'tree' method: default | <node count> | JSON paths."),
     extra_heads: str = typer.Option(
@@ -76,6 +77,7 @@ def bench(
 
     from mtp import MTPModel
     from mtp.cli import _parse_tree
+    from mtp.packed import bf16_matmul_units
 
     from .methods import assisted, ours, ours_one_token, plain, prompt_lookup
     from .mtbench import chat_prompt_ids, first_turn_ids
@@ -101,7 +103,7 @@ def bench(
         }
         first = next(iter(sets.values()))
         table = {"plain": plain(mtp_model)}
-        compiled = None
+        compiled = packed = None
         for name in wanted:
             if name == "prompt_lookup":
                 table[name] = prompt_lookup(mtp_model)
@@ -115,6 +117,11 @@ def bench(
                 table[name] = ours(mtp_model, _parse_tree(tree), prompt_lookup=True)
             elif name == "auto":
                 table[name] = ours(mtp_model, None, prompt_lookup=True)
+            elif name in ("plain_packed", "auto_packed"):
+                packed = packed or _packed(mtp_model)
+                table[name] = (
+                    ours_one_token(packed) if name == "plain_packed" else ours(packed, None, prompt_lookup=True)
+                )
             elif name in ("plain_compiled", "auto_compiled"):
                 compiled = compiled or _compiled(mtp_model)
                 table[name] = (
@@ -151,6 +158,9 @@ def bench(
             typer.echo(f"[{dt}] verify cost (relative to k=1): {costs[dt]}")
     meta = {
         "cpu": _cpu_name(),
+        # the same model name covers CPUs with and without bf16 matmul units: bf16 speed hinges on them
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_matmul": bf16_matmul_units(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "limit": limit,
@@ -209,6 +219,18 @@ def _prompt_sets(spec: str, limit: int, heldout_n: int, source: str) -> dict[str
     if not sets:
         raise typer.BadParameter("no prompts to run: every selected set is empty (--limit / --heldout-n)")
     return sets
+
+
+def _packed(mtp_model):
+    """The same model (shared weights and heads) decoding from prepacked weights; the other methods stay as they are."""
+    import copy
+
+    from mtp.packed import can_pack
+
+    packed = copy.copy(mtp_model)
+    if not can_pack(mtp_model.base_model):
+        raise typer.BadParameter("*_packed methods need a CPU with oneDNN and a bf16 or fp32 model")
+    return packed.pack_decoding()
 
 
 def _compiled(mtp_model):

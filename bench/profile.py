@@ -5,9 +5,9 @@ verification, KV crop, prompt lookup, the proposer's bookkeeping, the adaptive p
 milliseconds per step next to a plain decode step of the same model (one `generate()` token, and one bare
 forward with a KV cache), in milliseconds and in decode steps (one plain `generate()` token). What is left
 after the timed phases is the loop's own Python. This is how the README's "why the target was missed"
-numbers were made; `--compile` profiles compiled verify steps. `--tree 2,4,8,16 --lookup off` times fixed
-trees of those sizes: the verify cost per node count and the drafting cost per depth that tree sizing reads
-(`drafter_trainer.VERIFY_COST_BF16`).
+numbers were made; `--compile` profiles compiled verify steps, `--pack` prepacked weights. `--tree 2,4,8,16
+--lookup off` times fixed trees of those sizes: the verify cost per node count and the drafting cost per depth
+that tree sizing reads (`drafter_trainer.VERIFY_COST_BF16`).
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--lookup", choices=("both", "on", "off"), default="both", help="prompt lookup runs")
     parser.add_argument("--heads", default=None, help="a shipped head set (mtp, eagle) or a heads dir")
     parser.add_argument("--compile", action="store_true", help="compiled verify steps (MTPModel.compile_decoding)")
+    parser.add_argument("--pack", action="store_true", help="prepacked weights (MTPModel.pack_decoding)")
     args = parser.parse_args()
 
     from mtp.default_model import load_default_mtp
@@ -99,6 +100,8 @@ def main() -> None:
         trees = [None if args.tree == "auto" else args.tree]
     lookups = {"both": (False, True), "on": (True,), "off": (False,)}[args.lookup]
     prompts = [first_turn_ids(tokenizer, q) for q in load_mtbench(limit=args.limit)]
+    if args.pack:
+        model.pack_decoding()
     if args.compile:
         from mtp.cli import _compile_decoding
 
