@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from .packed import PACK_HELP, can_pack
+
 app = typer.Typer(
     help="Multi-token prediction heads and exact self-speculative decoding for Hugging Face causal LMs.",
     no_args_is_help=True,
@@ -42,14 +44,9 @@ def _compile_decoding(model, note: str = "") -> None:
 
 def _pack_decoding(model, pack: bool) -> None:
     """`model.pack_decoding()` where the weights can be packed (a CPU with oneDNN), and say so."""
-    from .packed import can_pack
-
     if pack and can_pack(model.base_model):
         model.pack_decoding()
         typer.echo("decoding from prepacked weights (--no-pack: the model's own)")
-
-
-PACK_HELP = "Decode from weights prepacked for the CPU's matmul kernels (faster, a second copy of the weights)."
 
 
 def _fail(message: str) -> None:

@@ -216,10 +216,9 @@ class MTPModel(nn.Module):
         base = self.decoding_base
         lm_head = base.get_output_embeddings()
         if self.draft_vocab is not None:
-            proj = self._draft_projection
-            w = self.base_model.get_output_embeddings().weight
-            if proj is None or proj.weight.dtype != w.dtype or proj.weight.device != w.device:
-                proj = DraftProjection(self.base_model.get_output_embeddings(), self.draft_vocab)
+            proj, own = self._draft_projection, self.base_model.get_output_embeddings()
+            if proj is None or proj.weight.dtype != own.weight.dtype or proj.weight.device != own.weight.device:
+                proj = DraftProjection(own, self.draft_vocab)
                 if self._packed is not None:
                     proj = proj.to_packed()
                 object.__setattr__(self, "_draft_projection", proj)

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
+# the --pack/--no-pack option of every command that decodes
+PACK_HELP = "Decode from weights prepacked for the CPU's matmul kernels (faster, a second copy of the weights)."
 
 
 def bf16_matmul_units() -> bool:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import typer
 
+from .packed import PACK_HELP
+
 DEFAULT_PROMPT = (
     "Hi, I ordered a pair of running shoes last week but they arrived in the wrong size. "
     "How can I exchange them, and will I have to pay for shipping?"
@@ -46,9 +48,7 @@ def quickstart(
     compile: bool = typer.Option(
         False, "--compile", help="Run the verify steps through torch.compile (graphs built first: minutes)."
     ),
-    pack: bool = typer.Option(
-        True, help="Decode from weights prepacked for the CPU's matmul kernels (faster, a second copy of the weights)."
-    ),
+    pack: bool = typer.Option(True, help=PACK_HELP),
 ) -> None:
     """Answer a customer-support question with plain and self-speculative decoding, and compare."""
     import torch

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import typer
 
+from mtp.packed import PACK_HELP
+
 
 def register(app: typer.Typer) -> None:
     app.command(name="serve")(serve)
@@ -42,9 +44,7 @@ def serve(
         "auto", help="Draft tree: auto (the decoder's default) | default | chain | <node count> | JSON rank paths."
     ),
     threads: int | None = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
-    pack: bool = typer.Option(
-        True, help="Decode from weights prepacked for the CPU's matmul kernels (faster, a second copy of the weights)."
-    ),
+    pack: bool = typer.Option(True, help=PACK_HELP),
     speculation: str = typer.Option(
         "auto",
         help="Default for requests that do not send 'speculative': on | off | auto (on, unless the heads are "
