@@ -86,6 +86,29 @@ def fit_heads(
     return model, seqs
 
 
+def assert_decodes_like_generate(
+    model: MTPModel, prompts: list[torch.Tensor], seqs: list[torch.Tensor], g: torch.Generator
+) -> None:
+    """Greedy `model.generate()` gives its base's `generate()` tokens, for any decoding runtime.
+
+    On the continuations the heads were fitted to (chain and adaptive trees) most drafts must be accepted; on
+    new prompts drafts are rejected, the cache is cropped mid-way and one-token steps run.
+    """
+    for ids, ref in zip(prompts, seqs, strict=True):
+        for tree in ("chain", None):
+            new = ref.shape[1] - ids.shape[1]
+            out = model.generate(ids, max_new_tokens=new, tree=tree, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref), tree
+            if ids.shape[1] > 1:  # a one-token prompt gives the heads nothing to draft from at first
+                assert out.tau > 2.0, (tree, out.accepted_lengths)
+    base = model.base_model
+    for plen, new in ((5, 30), (17, 25)):
+        ids = torch.randint(3, VOCAB, (1, plen), generator=g)
+        ref = base.generate(ids, max_new_tokens=new, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=new), ref)
+        assert torch.equal(model.generate(ids, max_new_tokens=new, speculative=False), ref)
+
+
 _FITTED: dict[str, tuple] = {}
 
 
