@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -122,8 +123,11 @@ class _Tokens:
         return self.store.chain(self.tokens, length)
 
 
-def datastore_drafts(store: Datastore):
-    """An `NgramDraft` stand-in: prompt lookup first; the datastore's chain when lookup grafts nothing."""
+def datastore_drafts(store: Datastore, counts: dict[str, int]):
+    """An `NgramDraft` stand-in: prompt lookup first; the datastore's chain when lookup grafts nothing.
+
+    `counts` collects, over every step: steps, steps with a datastore chain, and its tokens the model confirmed
+    beyond the ones the step accepted anyway (what retrieval added)."""
 
     class Both:
         def __init__(self, context: list[int], node_cost: float, **_):
@@ -139,6 +143,12 @@ def datastore_drafts(store: Datastore):
             return self.retrieval.graft(tree, draft, room, merge)
 
         def observe(self, emitted: list[int]) -> None:
+            chain, right = self.retrieval.chain, 0
+            while right < min(len(chain), len(emitted)) and chain[right] == emitted[right]:
+                right += 1
+            counts["steps"] += 1
+            counts["with a chain"] += bool(chain)
+            counts["tokens beyond the accepted"] += max(0, right - (len(emitted) - 1))
             self.lookup.observe(emitted)
             self.retrieval.observe(emitted)
 
@@ -170,15 +180,17 @@ def dynamic_tree(proposer, root: int, nodes: int, depth: int, width: int, beam: 
 
 
 @contextmanager
-def patched(drafts_class=None, tree_fn=None):
-    """Swap `mtp.decoding`'s prompt-lookup class and/or the greedy proposal for one run."""
+def patched(drafts_class=None, tree_fn=None, full_depth: int = 0):
+    """Swap `mtp.decoding`'s prompt-lookup class and/or the greedy proposal for one run.
+
+    `tree_fn(proposer, root)` replaces the draft of every step whose static tree is uncut (`full_depth` deep)."""
     saved_class, saved_propose = decoding.NgramDraft, decoding.GreedyStrategy.propose
     pending: dict[str, Tree] = {}
     base_class = drafts_class or saved_class
     if tree_fn is not None:
 
         def propose(self, proposer, root, tree):
-            if len(tree) > 1 and tree.depth == tree_fn.full_depth:
+            if len(tree) > 1 and tree.depth == full_depth:
                 pending["tree"], draft = tree_fn(proposer, root)
                 return draft, None
             return saved_propose(self, proposer, root, tree)
@@ -196,7 +208,8 @@ def patched(drafts_class=None, tree_fn=None):
         decoding.NgramDraft, decoding.GreedyStrategy.propose = saved_class, saved_propose
 
 
-def dev_prompts(start: int, per_kind: int) -> list[str]:
+def unseen_dev_prompts(start: int, per_kind: int) -> list[str]:
+    """Training-split prompts from conversations `start`.. (not in the datastore; `tree_sweep.dev_prompts` are)."""
     from mtp.train.prompt_sets import HELDOUT_START, sharegpt_prompts
 
     picked, count = [], {"chat": 0, "code": 0}
@@ -231,25 +244,27 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer, _ = load_default_mtp(getattr(torch, args.dtype), args.heads)
     model.pack_decoding()
-    ids = [chat_prompt_ids(tokenizer, p[:2000]) for p in dev_prompts(args.datastore_end, args.per_kind)]
+    ids = [chat_prompt_ids(tokenizer, p[:2000]) for p in unseen_dev_prompts(args.datastore_end, args.per_kind)]
     model.generate(ids[0][:, :8], max_new_tokens=4)  # warm-up
     static = model.default_tree
+    counts: Counter[str] = Counter()
     runs: list[tuple[str, object, object]] = [(f"static {len(static)} nodes", "default", patched())]
     if args.experiment == "datastore":
         t0 = time.perf_counter()
         store = Datastore(build_datastore(tokenizer, args.datastore_end, args.datastore_cache), args.min_share)
         print(f"datastore: {len(store.tokens):,} tokens indexed in {time.perf_counter() - t0:.0f} s")
-        runs.append((f"static {len(static)} nodes + datastore", "default", patched(datastore_drafts(store))))
+        runs.append((f"static {len(static)} nodes + datastore", "default", patched(datastore_drafts(store, counts))))
     else:
         depth = args.depth or static.depth
 
         def grow(proposer, root):
             return dynamic_tree(proposer, root, args.nodes, depth, args.width, args.beam)
 
-        grow.full_depth = static.depth
         if args.nodes != len(static):
             runs.append((f"static {args.nodes} nodes", args.nodes, patched()))
-        runs.append((f"dynamic {args.nodes} nodes, depth {depth}", "default", patched(tree_fn=grow)))
+        runs.append(
+            (f"dynamic {args.nodes} nodes, depth {depth}", "default", patched(tree_fn=grow, full_depth=static.depth))
+        )
     outputs = []
     for label, tree, patch in runs:
         taus, tokens, seconds, texts = [], 0, 0.0, []
@@ -264,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         outputs.append(texts)
         same = sum(a == b for a, b in zip(outputs[0], texts, strict=True))
         print(f"{label:40s} τ {np.mean(taus):.3f}  {tokens / seconds:5.1f} tok/s  identical {same}/{len(ids)}")
+    if counts:
+        print("datastore:", dict(counts))
     return 0
 
 
