@@ -198,6 +198,7 @@ def test_conditional_rank_probabilities_follow_the_draft_chain(tmp_path, feature
     continues with), checked against a loop over positions; the export hands them to the tree builder."""
     from mtp.train.drafter_trainer import RANKS, _batch, default_tree_size, depth_losses
     from mtp.train.features import VOCAB, load_split
+    from mtp.train.precision import autocast
 
     model, feats, _ = features
     run = tmp_path / "run"
@@ -214,7 +215,7 @@ def test_conditional_rank_probabilities_follow_the_draft_chain(tmp_path, feature
     counts = [torch.zeros(RANKS + 1, dtype=torch.long) for _ in range(steps)]
     with torch.no_grad():
         depth_losses(drafter, teacher_w, batch, steps, None, counts)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast():  # the trainer's own precision on this CPU
             logits = drafter.unroll(batch["aux"].float(), batch["input_ids"], steps)
     ids, target, mask = batch["input_ids"], batch["target"], batch["loss_mask"]
     B, T = ids.shape

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ class DistillOptions:
     sample: bool = False
     temperature: float = 0.7
     top_p: float = 0.95
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 where the CPU has bf16 matmul units, else fp32 (train.precision)
     shard_size: int = 64
     max_prompt_tokens: int = 512
     seed: int = 0
@@ -211,10 +211,11 @@ def distill(opts: DistillOptions) -> Path:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .trainer import DTYPES, resolve_model_path
+    from .precision import DTYPES, dtype_name
+    from .trainer import resolve_model_path
 
-    if opts.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
+    # resolved before it is recorded: a rerun on another CPU must not mix fp32 and bf16 answers unnoticed
+    opts = replace(opts, dtype=dtype_name(opts.dtype))
     model_path = resolve_model_path(opts.model)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)

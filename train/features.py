@@ -53,7 +53,7 @@ class FeatureOptions:
     draft_vocab_size: int = 8192
     batch_size: int = 4
     shard_blocks: int = 32
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 where the CPU has bf16 matmul units, else fp32 (train.precision)
     seed: int = 0
 
 
@@ -240,8 +240,9 @@ def cache_features(opts: FeatureOptions) -> dict[str, Any]:
 
     from .config import DataSection
     from .data import prepare_data
+    from .precision import resolve_dtype
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
+    dtype = resolve_dtype(opts.dtype)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     base, tokenizer = load_base(opts.model, dtype)
@@ -316,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--eval-fraction", type=float, default=0.04)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the base's dtype; auto: bf16 where the CPU multiplies bf16 in hardware, else fp32",
+    )
     a = p.parse_args(argv)
     info = cache_features(
         FeatureOptions(
@@ -329,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             draft_vocab_size=a.draft_vocab_size,
             batch_size=a.batch_size,
             eval_fraction=a.eval_fraction,
+            dtype=a.dtype,
         )
     )
     print(json.dumps(info, indent=2))

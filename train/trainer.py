@@ -59,11 +59,21 @@ def resolve_model_path(spec: str) -> Path:
 def load_backbone(cfg: Config, env: D.DistEnv) -> tuple[nn.Module, Any, Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from mtp.packed import bf16_matmul_units
+
     path = resolve_model_path(cfg.model.path)
     kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.model.dtype]}
     if cfg.model.attn_implementation:
         kwargs["attn_implementation"] = cfg.model.attn_implementation
     base = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).to(env.device).eval()
+    if cfg.model.dtype == "bfloat16" and torch.device(env.device).type == "cpu" and not bf16_matmul_units():
+        import warnings
+
+        warnings.warn(
+            "model.dtype bfloat16 on a CPU without bf16 matmul units (AVX512-BF16 or AMX): bf16 is emulated here "
+            "and the backbone runs several times slower than in float32 (-o model.dtype=float32)",
+            stacklevel=2,
+        )
     tok_path = Path(cfg.model.tokenizer).expanduser() if cfg.model.tokenizer else path
     if not tok_path.exists():
         raise ConfigError(f"config key 'model.tokenizer': tokenizer directory not found: {tok_path}")
