@@ -135,8 +135,8 @@ def train_quick_heads(minutes: float) -> Path:
     (`configs/smollm2-mtp.yaml`) but on ShareGPT alone with soft targets (the model's own next-token
     distribution), so no distillation pass is needed first. Cached per duration."""
     from .default_model import cache_root
-    from .packed import bf16_matmul_units
     from .train.config import config_from_dict
+    from .train.precision import dtype_name
     from .train.trainer import train
 
     out = cache_root() / f"quickstart-heads-{minutes:g}min"
@@ -144,7 +144,7 @@ def train_quick_heads(minutes: float) -> Path:
         typer.echo(f"reusing heads trained for {minutes:g} min in {out}")
         return out
     # bf16 halves the backbone's cost where the CPU multiplies bf16 in hardware; emulated, it is many times slower
-    dtype = "bfloat16" if bf16_matmul_units() else "float32"
+    dtype = dtype_name("auto")
     typer.echo(f"training 3 MTP modules for {minutes:g} min on ShareGPT (heads only, frozen {dtype} SmolLM2) -> {out}")
     cfg = config_from_dict(
         {

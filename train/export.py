@@ -23,8 +23,7 @@ from mtp.model import MTPModel
 from .checkpointing import ADAPTER_DIR, HEADS_FILE
 from .config import load_saved_config
 from .evaluation import load_eval
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .precision import DTYPES
 
 
 def export(source: str | Path, out: str | Path, merge_lora: bool = False, heads_only: bool = False,

@@ -36,10 +36,8 @@ from .config import Config, ConfigError, save_config
 from .data import BatchPlan, PackedData, prepare_data
 from .evaluation import EvalResult, evaluate, format_table, print_table, save_eval
 from .objective import MTPTrainModule
+from .precision import DTYPES
 from .tracking import Tracker, require_wandb
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 # ---- model ----------------------------------------------------------------------------------------------
 
