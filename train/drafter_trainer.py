@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import resource
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -287,7 +288,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
 
     from mtp.heads import build_heads
 
-    from .features import INFO, VOCAB, load_base, load_split, note_if_incomplete
+    from .features import INFO, VOCAB, FeatureRows, load_base, load_split, note_if_incomplete
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -323,7 +324,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     drafter.float().train()
     teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
     t_load = time.time()
-    train = None if opts.export_only else load_split(feats / "train")
+    # the train split stays on disk (memory-mapped, read per step); the small eval split is loaded whole
+    train = None if opts.export_only else FeatureRows(feats / "train")
     held = load_split(feats / "eval")
     load_s = time.time() - t_load
     optim = torch.optim.AdamW(drafter.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, betas=(0.9, 0.95))
@@ -338,7 +340,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         step = json.loads((ckpt / "state.json").read_text())["step"]
         print(f"resumed from {ckpt} (step {step})")
     metrics_path = out / "metrics.jsonl"
-    N = 0 if train is None else train["input_ids"].shape[0]
+    N = 0 if train is None else len(train)
     if train is not None:
         note_if_incomplete(feats, info, N)
     per_epoch = max(1, N // opts.micro_batch)
@@ -367,7 +369,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         for g in optim.param_groups:
             g["lr"] = _lr(step, opts)
         c0 = time.process_time()
-        losses, acc = depth_losses(drafter, teacher_w, _batch(train, rows), opts.steps)
+        losses, acc = depth_losses(drafter, teacher_w, train.rows(rows), opts.steps)
         loss = sum(opts.decay**j * lval for j, lval in enumerate(losses))
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -376,7 +378,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         optim.step()
         cpu_seconds += time.process_time() - c0
         step += 1
-        tokens_done += len(rows) * train["input_ids"].shape[1]
+        tokens_done += len(rows) * train.block_size
         rate = tokens_done / max(1e-9, time.time() - t0)
         rec = {
             "step": step,
@@ -419,6 +421,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         "wall_seconds_this_run": round(time.time() - t0, 1),
         "tokens_per_second_this_run": round(tokens_done / max(1e-9, time.time() - t0), 1),
         "feature_load_seconds": round(load_s, 1),
+        # counts the cache's memory-mapped pages that were read (the OS can reclaim them), not only the heap
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2),
         "train_blocks_used": N,
         "heldout": final_eval,
         "untrained": json.loads((out / "eval_untrained.json").read_text())
