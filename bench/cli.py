@@ -132,11 +132,7 @@ def bench(
             if not directory:
                 raise typer.BadParameter(f"--extra-heads wants name=dir, got {spec!r}")
             other = MTPModel.from_pretrained(directory.strip(), base_model=mtp_model.base_model)
-            # the other heads under the requested policies among chain/tree/auto (chain and tree if none is)
-            policies = [m for m in ("chain", "tree", "auto") if m in wanted] or ["chain", "tree"]
-            for m in policies:
-                spec = {"chain": "chain", "tree": _parse_tree(tree), "auto": None}[m]
-                table[f"{label.strip()}-{m}"] = ours(other, spec, prompt_lookup=m == "auto")
+            table |= _extra_head_methods(label.strip(), other, wanted, tree)
         mtp_model.generate(first[0][2][:, :8], max_new_tokens=4)  # warm-up
         for set_name, set_prompts in sets.items():
             typer.echo(f"[{dt}] {set_name}: {len(set_prompts)} prompts x {list(table)}")
@@ -219,6 +215,25 @@ def _prompt_sets(spec: str, limit: int, heldout_n: int, source: str) -> dict[str
     if not sets:
         raise typer.BadParameter("no prompts to run: every selected set is empty (--limit / --heldout-n)")
     return sets
+
+
+def _extra_head_methods(label: str, other, wanted: list[str], tree: str) -> dict:
+    """Another head set under the requested drafting methods (chain and tree if none is), packed or compiled
+    where those are requested: each head set is compared with ours under the same runtime."""
+    from mtp.cli import _parse_tree
+
+    from .methods import ours
+
+    table = {}
+    for m in [m for m in ("chain", "tree", "auto", "auto_packed", "auto_compiled") if m in wanted] or ["chain", "tree"]:
+        if m == "auto_packed":
+            table[f"{label}-{m}"] = ours(_packed(other), None, prompt_lookup=True)
+        elif m == "auto_compiled":
+            table[f"{label}-{m}"] = ours(_compiled(other), None, prompt_lookup=True)
+        else:
+            spec = {"chain": "chain", "tree": _parse_tree(tree), "auto": None}[m]
+            table[f"{label}-{m}"] = ours(other, spec, prompt_lookup=m == "auto")
+    return table
 
 
 def _packed(mtp_model):

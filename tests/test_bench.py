@@ -164,3 +164,19 @@ def test_tree_sweep_sizes_share_one_model():
     four(x, 4)
     eight(x, 4)
     assert seen == [8, 4, 8]
+
+
+def test_extra_head_sets_run_under_the_requested_runtime(monkeypatch):
+    """`--extra-heads` with packed or compiled methods must time the other heads packed or compiled too;
+    timing them eager beside packed ours compared two runtimes, not two head sets."""
+    from mtp.bench import cli
+
+    other, packed, compiled = object(), object(), object()
+    seen = []
+    monkeypatch.setattr(cli, "_packed", lambda m: seen.append(("packed", m)) or packed)
+    monkeypatch.setattr(cli, "_compiled", lambda m: seen.append(("compiled", m)) or compiled)
+    table = cli._extra_head_methods("v1", other, ["plain", "auto_packed", "auto_compiled"], "default")
+    assert list(table) == ["v1-auto_packed", "v1-auto_compiled"]
+    assert seen == [("packed", other), ("compiled", other)]
+    assert list(cli._extra_head_methods("v1", other, ["plain", "auto"], "default")) == ["v1-auto"]
+    assert list(cli._extra_head_methods("v1", other, ["plain"], "default")) == ["v1-chain", "v1-tree"]
