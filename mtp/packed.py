@@ -35,14 +35,26 @@ def bf16_matmul_units() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def can_pack(module: nn.Module) -> bool:
-    """Whether `module`'s weights can be packed here: on a CPU with oneDNN, in bf16 (with bf16 support) or fp32."""
+def unpackable_reason(module: nn.Module) -> str | None:
+    """Why `module`'s weights cannot be packed here (None: they can): packing needs a CPU module, oneDNN, and
+    fp32 weights or bf16 ones on a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX)."""
     param = next(module.parameters(), None)
-    if param is None or param.device.type != "cpu" or param.dtype not in PACKABLE_DTYPES:
-        return False
+    if param is None:
+        return "the module has no weights"
+    if param.device.type != "cpu":
+        return f"the weights are on {param.device.type}, not the CPU"
+    if param.dtype not in PACKABLE_DTYPES:
+        return f"the weights are {param.dtype}; bfloat16 or float32 can be packed"
     if not torch.backends.mkldnn.is_available():
-        return False
-    return param.dtype != torch.bfloat16 or bf16_matmul_units()
+        return "this torch build has no oneDNN (mkldnn)"
+    if param.dtype == torch.bfloat16 and not bf16_matmul_units():
+        return "bfloat16 weights need a CPU with bf16 matmul units (AVX512-BF16 or AMX); use float32 here"
+    return None
+
+
+def can_pack(module: nn.Module) -> bool:
+    """Whether `module`'s weights can be packed here (`unpackable_reason` says why not)."""
+    return unpackable_reason(module) is None
 
 
 class PackedLinear(nn.Module):
@@ -68,8 +80,9 @@ def packed_copy(module: nn.Module) -> nn.Module:
 
     Modules with a projection of their own (`DraftProjection`) pack it through their `to_packed()` method.
     """
-    if not can_pack(module):
-        raise ValueError("packed weights need a CPU with oneDNN and a bf16 (with AVX512 bf16 support) or fp32 model")
+    reason = unpackable_reason(module)
+    if reason is not None:
+        raise ValueError(f"cannot pack weights here: {reason}")
     tensors = [*module.parameters(), *module.buffers()]
     out = copy.deepcopy(module, memo={id(t): t for t in tensors})
     return pack_in_place(out)
