@@ -118,7 +118,7 @@ class FeatureRows:
     def __init__(self, directory: Path, columns: tuple[str, ...] = COLUMNS) -> None:
         self.columns = columns
         self._ds = _open_split(directory, columns).with_format("numpy")
-        self.block_size = len(self._ds[0]["input_ids"]) if len(self._ds) else 0
+        self.block_size = self._ds.features["input_ids"].length  # from the schema: no block read for it
 
     def __len__(self) -> int:
         return len(self._ds)
