@@ -72,6 +72,36 @@ def test_distill_matches_unbatched_greedy_and_resumes(tmp_path, tiny_ckpt):  # n
     assert 0 < torch.cat([packed.train_mask, packed.eval_mask]).float().mean() < 1
 
 
+def test_distill_engines_give_the_same_answers(tmp_path, tiny_ckpt):  # noqa: F811
+    """Continuous batching (rows refilled as answers end) and left-padded generate() store the same rows."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    _distill(tiny_ckpt, data, tmp_path / "batched", "--batch-size", "3", "--shard-size", "6")
+    _distill(tiny_ckpt, data, tmp_path / "generate", "--engine", "generate")
+    batched, padded = load_distilled(tmp_path / "batched"), load_distilled(tmp_path / "generate")
+    assert sorted(batched.to_list(), key=lambda r: r["prompt_id"]) == sorted(
+        padded.to_list(), key=lambda r: r["prompt_id"]
+    )
+    result = runner.invoke(app, ["distill", "--model", str(tiny_ckpt), "--data", str(data), "--out",
+                                 str(tmp_path / "x"), "--engine", "vllm"])  # fmt: skip
+    assert result.exit_code == 2 and "unknown engine" in result.output
+
+
+def test_sampled_distillation_does_not_depend_on_the_batch(tmp_path, tiny_ckpt):  # noqa: F811
+    """Each prompt samples from its own seeded generator: batch size and neighbours change nothing."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    answers = {}
+    for name, extra in {"alone": ("--batch-size", "1"), "together": ("--batch-size", "4"),
+                        "greedy": ("--greedy",)}.items():  # fmt: skip
+        sample = () if name == "greedy" else ("--sample", "--temperature", "1.5")
+        _distill(tiny_ckpt, data, tmp_path / name, *sample, *extra)
+        rows = load_distilled(tmp_path / name)
+        answers[name] = {r["prompt_id"]: r["input_ids"][r["prompt_len"] :] for r in rows}
+    assert answers["alone"] == answers["together"]
+    assert answers["alone"] != answers["greedy"]  # it did sample
+
+
 def test_distill_refuses_mixing_settings(tmp_path, tiny_ckpt):  # noqa: F811
     data = tmp_path / "p.txt"
     data.write_text("one\ntwo\n")

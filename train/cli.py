@@ -56,7 +56,7 @@ def distill_command(
     data: str = typer.Option(..., "--data", "-d", help="Prompts: .jsonl/.json/.txt/dataset dir, or 'sharegpt'."),
     out: Path = typer.Option(..., "--out", help="Output directory (a datasets dataset in shard-* folders)."),
     max_new_tokens: int = typer.Option(256, help="Tokens generated per prompt."),
-    batch_size: int = typer.Option(16, help="Prompts per batched generate() call (left-padded)."),
+    batch_size: int = typer.Option(16, help="Prompts decoded together."),
     limit: int = typer.Option(None, help="Use at most this many prompts."),
     sample: bool = typer.Option(False, "--sample/--greedy", help="Sample (temperature/top-p) or greedy."),
     temperature: float = typer.Option(0.7, help="With --sample."),
@@ -67,6 +67,11 @@ def distill_command(
     shard_size: int = typer.Option(64, help="Prompts per saved shard (the unit of resumption)."),
     max_prompt_tokens: int = typer.Option(512, help="Skip prompts longer than this after templating."),
     seed: int = typer.Option(0, help="Sampling seed."),
+    engine: str = typer.Option(
+        "batched",
+        help="batched: continuous batching, a finished answer's row goes to the next prompt (1.55x faster); "
+        "generate: the model's own generate() over left-padded batches.",
+    ),
 ) -> None:
     """Generate self-distillation data: the model's own answers to dataset prompts (resumable)."""
     from .distill import DistillOptions, distill
@@ -74,7 +79,7 @@ def distill_command(
     opts = DistillOptions(
         model=model, data=data, out=out, max_new_tokens=max_new_tokens, batch_size=batch_size, limit=limit,
         sample=sample, temperature=temperature, top_p=top_p, dtype=dtype, shard_size=shard_size,
-        max_prompt_tokens=max_prompt_tokens, seed=seed,
+        max_prompt_tokens=max_prompt_tokens, seed=seed, engine=engine,
     )  # fmt: skip
     try:
         distill(opts)
