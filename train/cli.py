@@ -56,7 +56,7 @@ def distill_command(
     data: str = typer.Option(..., "--data", "-d", help="Prompts: .jsonl/.json/.txt/dataset dir, or 'sharegpt'."),
     out: Path = typer.Option(..., "--out", help="Output directory (a datasets dataset in shard-* folders)."),
     max_new_tokens: int = typer.Option(256, help="Tokens generated per prompt."),
-    batch_size: int = typer.Option(16, help="Prompts decoded together."),
+    batch_size: int = typer.Option(32, help="Prompts decoded together."),
     limit: int = typer.Option(None, help="Use at most this many prompts."),
     sample: bool = typer.Option(False, "--sample/--greedy", help="Sample (temperature/top-p) or greedy."),
     temperature: float = typer.Option(0.7, help="With --sample."),

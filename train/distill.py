@@ -39,7 +39,7 @@ class DistillOptions:
     data: str = "sharegpt"
     out: Path = Path("distilled")
     max_new_tokens: int = 256
-    batch_size: int = 16
+    batch_size: int = 32
     limit: int | None = None
     sample: bool = False
     temperature: float = 0.7
