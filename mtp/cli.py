@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from .packed import PACK_HELP, can_pack
+from .packed import PACK_HELP, unpackable_reason
 
 app = typer.Typer(
     help="Multi-token prediction heads and exact self-speculative decoding for Hugging Face causal LMs.",
@@ -43,10 +43,16 @@ def _compile_decoding(model, note: str = "") -> None:
 
 
 def _pack_decoding(model, pack: bool) -> None:
-    """`model.pack_decoding()` where the weights can be packed (a CPU with oneDNN), and say so."""
-    if pack and can_pack(model.base_model):
+    """`model.pack_decoding()` where the weights can be packed, and say so; where they cannot, say why (bf16
+    on a CPU without bf16 matmul units, for one, is emulated: the user is better served by float32)."""
+    if not pack:
+        return
+    reason = unpackable_reason(model.base_model)
+    if reason is None:
         model.pack_decoding()
         typer.echo("decoding from prepacked weights (--no-pack: the model's own)")
+    else:
+        typer.echo(f"decoding from the model's own weights: they cannot be prepacked here ({reason})")
 
 
 def _fail(message: str) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import VOCAB, random_heads, tiny_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -14,7 +16,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
 from mtp.compiled import cpu_compiler
-from mtp.packed import can_pack
+from mtp.packed import can_pack, unpackable_reason
 
 
 def _word_tokenizer() -> PreTrainedTokenizerFast:
@@ -45,9 +47,19 @@ def test_generate_and_info_on_a_saved_checkpoint(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "identical: True" in res.stdout and "τ=" in res.stdout
     assert ("decoding from prepacked weights" in res.stdout) == packs
+    assert ("cannot be prepacked here" in res.stdout) == (not packs)
     res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat", "--no-pack")
     assert res.returncode == 0 and "identical: True" in res.stdout, res.stderr
     assert "prepacked" not in res.stdout
+    # bf16: packed on a CPU with bf16 matmul units; elsewhere the user is told why not
+    reason = unpackable_reason(copy.deepcopy(model.base_model).to(torch.bfloat16))
+    bf16 = ("--dtype", "bfloat16")
+    res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9", "--max-new-tokens", "8", "--no-chat", *bf16)
+    assert res.returncode == 0, res.stderr
+    if reason is None:
+        assert "decoding from prepacked weights" in res.stdout
+    else:
+        assert f"cannot be prepacked here ({reason})" in res.stdout
     res = _mtp("info", str(tmp_path))
     assert res.returncode == 0 and '"head_type": "medusa"' in res.stdout
 
