@@ -146,3 +146,16 @@ def test_export_draft_vocab_from_distilled_answers(tmp_path, tiny_ckpt):  # noqa
         app, ["export", str(run), "--heads-only", "--out", str(tmp_path / "x"), "--draft-vocab", "8"]
     )
     assert missing.exit_code != 0 and "--draft-data" in missing.output
+
+
+def test_distill_speed_bench_times_both_engines_on_the_same_prompts(tmp_path, tiny_ckpt):  # noqa: F811
+    from mtp.bench.distill_speed import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "speed.json"
+    main(["--model", str(tiny_ckpt), "--data", str(data), "--start", "1", "--n", "4", "--batch-size", "2",
+          "--max-new-tokens", "8", "--dtype", "float32", "--out", str(out)])  # fmt: skip
+    results = json.loads(out.read_text())
+    assert [r["engine"] for r in results] == ["batched", "generate"]
+    assert all(r["prompts"] == 4 and r["identical_to_first"] == 4 and r["answer_tokens"] > 0 for r in results)
