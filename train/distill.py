@@ -5,8 +5,8 @@ Why: heads are drafts for *this model's* outputs, so the best targets are what t
 templated and answered by continuous batching (`mtp.batching.BatchDecoder`, plain decoding: a finished answer's
 row is refilled by the next prompt at once, and no prompt is padded to its batch's longest), or with
 `engine="generate"` by the model's own `generate()` over left-padded batches, where every row keeps decoding
-until the batch's longest answer ends (1.55x slower in fp32 on a 2-core CPU: 32 prompts, batch 32, 256 new
-tokens, answers identical). Each answer is stored with
+until the batch's longest answer ends (1.4-1.55x slower in fp32 on a 2-core CPU, batch 32, 256 new tokens,
+answers identical: `python -m mtp.bench.distill_speed`). Each answer is stored with
   prompt_id   index of the prompt in the source (resumption key)
   messages    [user prompt, assistant answer] (text, for inspection or re-templating)
   input_ids   the exact token ids: templated prompt + generated answer (what training reads)
