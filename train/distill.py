@@ -231,7 +231,7 @@ def generate_continuous(
     from mtp.batching import BatchDecoder
     from mtp.model import MTPModel
 
-    # the engine drives an MTPModel; one shared-projection Medusa head is a few KB and is never run
+    # the engine drives an MTPModel; its one Medusa head (a d x d block, the projection shared) is never run
     engine = BatchDecoder(MTPModel.from_base(model, num_heads=1), max_batch_size=opts.batch_size, guard=False)
     kwargs = _sampling_kwargs(opts)
     ids: dict[int, int] = {}
