@@ -15,25 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from mtp.train.distill import DistillOptions, _template, generate_batch, generate_continuous, read_prompts
+from mtp.train.distill import ENGINES, DistillOptions, _template, answer_prompts, read_prompts
 
 
 def run_engine(name: str, model, tokenizer, encoded: list[list[int]], opts: DistillOptions) -> list[list[int]]:
-    """Every prompt's answer (cut after EOS), in prompt order."""
+    """Every prompt's answer (cut after EOS), in prompt order; prompts go in sorted by length, as in a shard."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    if name == "batched":
-        got = generate_continuous(model, {i: encoded[i] for i in order}, opts)
-        return [got[i] for i in range(len(encoded))]
-    answers: list[list[int]] = [[] for _ in encoded]
-    for b in range(0, len(order), opts.batch_size):
-        batch = order[b : b + opts.batch_size]
-        for i, ans in zip(batch, generate_batch(model, tokenizer, [encoded[i] for i in batch], opts, 0), strict=True):
-            answers[i] = ans
-    return answers
+    got = answer_prompts(model, tokenizer, {i: encoded[i] for i in order}, replace(opts, engine=name))
+    return [got[i] for i in range(len(encoded))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    engines = args.engines.split(",")
+    if unknown := [e for e in engines if e not in ENGINES]:
+        p.error(f"unknown engine(s) {unknown}: choose from {', '.join(ENGINES)}")
 
     torch.manual_seed(0)
     dtype = dtype_name(args.dtype)
@@ -63,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     encoded = [_template(tokenizer, prompt) for prompt in prompts]
     opts = DistillOptions(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=dtype)
     results, answers = [], {}
-    for name in args.engines.split(","):
+    for name in engines:
         t0 = time.perf_counter()
         answers[name] = run_engine(name, model, tokenizer, encoded, opts)
         seconds = time.perf_counter() - t0

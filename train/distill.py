@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 INFO_NAME = "distill_info.json"
 SKIPPED_NAME = "skipped_prompt_ids.json"
 PROMPT_FIELDS = ("prompt", "instruction", "question", "text")
+ENGINES = ("batched", "generate")  # see `answer_prompts`
 
 
 @dataclass
@@ -217,7 +219,7 @@ def _sampling_kwargs(opts: DistillOptions) -> dict[str, Any]:
 
 
 def generate_continuous(
-    model: Any, prompts: dict[int, list[int]], opts: DistillOptions, on_done: Any = None
+    model: Any, prompts: dict[int, list[int]], opts: DistillOptions, on_done: Callable[[int], None] | None = None
 ) -> dict[int, list[int]]:
     """Answer every prompt by continuous batching; returns {prompt id: answer ids, cut after EOS}.
 
@@ -247,10 +249,32 @@ def generate_continuous(
     return answers
 
 
+def answer_prompts(
+    model: Any,
+    tokenizer: Any,
+    prompts: dict[int, list[int]],
+    opts: DistillOptions,
+    on_done: Callable[[int], None] | None = None,
+) -> dict[int, list[int]]:
+    """{prompt id: answer ids, cut after EOS} by `opts.engine`; `on_done(answer tokens)` as each answer ends.
+    "generate" batches the prompts in their given order (callers sort them by length: less padding)."""
+    if opts.engine == "batched":
+        return generate_continuous(model, prompts, opts, on_done)
+    ids, answers = list(prompts), {}
+    for b in range(0, len(ids), opts.batch_size):
+        batch = ids[b : b + opts.batch_size]
+        got = generate_batch(model, tokenizer, [prompts[i] for i in batch], opts, opts.seed + batch[0])
+        for i, ans in zip(batch, got, strict=True):
+            answers[i] = ans
+            if on_done is not None:
+                on_done(len(ans))
+    return answers
+
+
 def distill(opts: DistillOptions) -> Path:
     """Generate answers for every prompt not yet in `opts.out`; returns the output directory."""
-    if opts.engine not in ("batched", "generate"):
-        raise ValueError(f"unknown engine {opts.engine!r}: batched or generate")
+    if opts.engine not in ENGINES:
+        raise ValueError(f"unknown engine {opts.engine!r}: {' or '.join(ENGINES)}")
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -286,16 +310,7 @@ def distill(opts: DistillOptions) -> Path:
         keep = [i for i in shard_ids if len(encoded[i]) <= opts.max_prompt_tokens]
         skipped += len(shard_ids) - len(keep)
         keep.sort(key=lambda i: len(encoded[i]))  # similar lengths per batch: less padding
-        answers: dict[int, list[int]] = {}
-        if opts.engine == "batched":
-            answers = generate_continuous(model, {i: encoded[i] for i in keep}, opts, on_done=progress)
-        else:
-            for b in range(0, len(keep), opts.batch_size):
-                batch = keep[b : b + opts.batch_size]
-                got = generate_batch(model, tokenizer, [encoded[i] for i in batch], opts, opts.seed + batch[0])
-                for i, ans in zip(batch, got, strict=True):
-                    answers[i] = ans
-                    progress(len(ans))
+        answers = answer_prompts(model, tokenizer, {i: encoded[i] for i in keep}, opts, on_done=progress)
         rows = []
         for i in keep:
             ans = answers[i]
