@@ -184,6 +184,14 @@ def _template(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
+def _sampling_kwargs(opts: DistillOptions) -> dict[str, Any]:
+    """The sampling settings both engines get; greedy passes None for each, so that generate() neither applies
+    nor warns about the sampling defaults of the model's generation_config."""
+    if not opts.sample:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {"do_sample": True, "temperature": opts.temperature, "top_p": opts.top_p, "top_k": 0}
+
+
 def generate_batch(
     model: Any, tokenizer: Any, prompts: list[list[int]], opts: DistillOptions, seed: int
 ) -> list[list[int]]:
@@ -197,12 +205,9 @@ def generate_batch(
         mask[i, width - len(p) :] = 1
     eos = model.generation_config.eos_token_id
     eos_set = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    kwargs: dict[str, Any] = {"do_sample": opts.sample, "max_new_tokens": opts.max_new_tokens, "pad_token_id": pad}
+    kwargs = {**_sampling_kwargs(opts), "max_new_tokens": opts.max_new_tokens, "pad_token_id": pad}
     if opts.sample:
-        kwargs.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
         torch.manual_seed(seed)
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
     with torch.inference_mode():
         out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), **kwargs)
     answers = []
@@ -210,12 +215,6 @@ def generate_batch(
         cut = next((j + 1 for j, t in enumerate(row) if t in eos_set), len(row))
         answers.append(row[:cut])
     return answers
-
-
-def _sampling_kwargs(opts: DistillOptions) -> dict[str, Any]:
-    if not opts.sample:
-        return {"do_sample": False}
-    return {"do_sample": True, "temperature": opts.temperature, "top_p": opts.top_p, "top_k": 0}
 
 
 def generate_continuous(
