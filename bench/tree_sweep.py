@@ -9,6 +9,11 @@ prior does not know what drafting one more depth costs on this machine, so this 
 split that no training step read (the tail of `data/prompts-train.jsonl`: ShareGPT conversations 0-14,999,
 well past the distilled ones), neither MT-Bench nor the held-out sets. `--write` stores the winner in the
 head set's `mtp_config.json`.
+
+Decoding runs from prepacked weights where this CPU can pack them (`--no-pack`: the model's own), as `mtp
+generate`, `mtp serve` and the quickstart do by default: a tree size chosen on the unpacked path is chosen for
+costs users do not see (in fp32 on AVX2, a 2-node verify forward costs 1.36 decode steps unpacked and 1.01
+packed; `python -m mtp.bench.profile --pack`). The reference stays plain `generate()`, which never packs.
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=1, help="time each (prompt, size) N times, keep the median")
+    parser.add_argument(
+        "--pack", action=argparse.BooleanOptionalAction, default=True,
+        help="decode from prepacked weights where this CPU can (the CLI's default); plain generate() never packs",
+    )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="store the fastest size in the heads' config")
     args = parser.parse_args(argv)
     candidates = _candidates(args.heads, args.sizes)
@@ -82,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     models = [first] + [
         MTPModel.from_pretrained(resolve_heads(h), base_model=first.base_model) for h, _ in candidates[1:]
     ]
+    if args.pack:
+        from mtp.packed import unpackable_reason
+
+        reason = unpackable_reason(first.base_model)
+        if reason is None:
+            models = [model.pack_decoding() for model in models]
+        print("decoding from prepacked weights" if reason is None else f"decoding unpacked: {reason}", flush=True)
     variants = [
         (f"{h} tree_nodes {n:3d}", model, n)
         for (h, sizes), model in zip(candidates, models, strict=True)
