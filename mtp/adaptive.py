@@ -7,11 +7,16 @@ the prompt (code vs chit-chat), the heads and the hardware, so the policy measur
 * accuracy:  after every verify step, each tree node whose parent lies on the accepted path is a
              trial for (depth, rank): hit if its draft equals the base model's choice there. Counts
              start from a weak prior (the model's measured head accuracies, or generic defaults).
-* cost:      wall seconds per step, an exponential moving average per tree size actually used;
-             sizes not tried yet are estimated from the verify-cost prior relative to what was.
+* cost:      wall seconds per step in two parts, each an exponential moving average: the verify part per
+             tree size actually used, and the drafting part per drafting depth actually used; sizes and
+             depths not tried yet are estimated from the prior curves relative to what was.
 
 Every `every` steps the policy rebuilds the best tree for each size on a ladder (best-first, from
-the estimated accuracies) and keeps the size with the highest expected-length / expected-seconds.
+the estimated accuracies) and each depth limit, and keeps the tree with the highest expected-length /
+expected-seconds. The depth limit matters for drafters that run depth after depth (the MTP modules, the
+EAGLE drafter: `Proposer.depth_cost`): there a tree's drafting costs one drafter step per depth, so the
+deepest tree of a size is not always the fastest one. With fp32 on an AVX2 CPU (packed), a depth of the
+EAGLE drafter costs ~0.05 decode steps while a verify of 4 nodes costs 1.07 and of 8 nodes 1.19 (bench/profile.py).
 With `timed=False` only the prior cost curve is used, so the tree sequence depends on the text alone:
 sampling needs that, because which tree a step uses decides which random numbers it draws, and a
 seeded generate() must give the same tokens on a busy machine as on a quiet one. Half precision needs
@@ -31,11 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .tree import DEFAULT_ACCURACIES, Tree, build_tree
+from .tree import DEFAULT_ACCURACIES, Tree, best_first, build_tree
 
 # Drafting itself (running the heads, top-k, building the step's inputs), relative to one decode step; the
 # verify-cost curves below are forwards only. Without it, weak heads on hardware where verifying is free
-# would look worth running forever.
+# would look worth running forever. Drafters that run depth after depth add their `depth_cost` for every depth
+# after the first.
 DRAFT_OVERHEAD = 0.15
 # Accuracy counts fade by this factor per step (a memory of ~100 steps), so the policy follows the text
 # from chit-chat to code and back instead of averaging over the whole answer.
@@ -82,8 +88,12 @@ class AdaptiveDraft:
         timed: bool = True,
         ladder: Sequence[int] = LADDER,
         shapes: dict[int, Tree] | None = None,
+        depth_cost: float = 0.0,
     ):
+        """depth_cost: the prior drafting cost of each depth after the first, in decode steps (0: drafting costs
+        the same at every depth, as Medusa heads, which draft all depths in one pass); the timings replace it."""
         self.num_heads = num_heads
+        self.depth_cost = depth_cost
         self.shapes = dict(shapes or {})
         self.sizes = sorted({n for n in ladder if n <= max(1, max_nodes)} | {1})
         prior = [list(r) for r in (prior_accuracies or DEFAULT_ACCURACIES)][:num_heads]
@@ -92,11 +102,11 @@ class AdaptiveDraft:
         self.hits = [[prior_weight * (row[r] if r < len(row) else 0.0) for r in range(max_rank)] for row in prior]
         self.trials = [[prior_weight] * max_rank for _ in prior]
         self.prior_cost = prior_cost or PRIOR_COST
-        self.seconds: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}  # tree size -> seconds of a step besides drafting (timed)
+        self.draft_seconds: dict[int, float] = {}  # drafting depth -> seconds of drafting (timed)
         self.every, self.probe_every = every, probe_every
         self.timed = timed
         self.step = 0
-        self._trees: dict[int, Tree] = {}
         self.current = self._best()
 
     def accuracies(self) -> list[list[float]]:
@@ -105,7 +115,12 @@ class AdaptiveDraft:
             for hr, tr in zip(self.hits, self.trials, strict=True)
         ]
 
-    def _cost(self, n: int) -> float:
+    def _cost(self, n: int, depth: int) -> float:
+        """Expected seconds (timed, once anything was measured) or decode steps of a step with a tree of `n`
+        nodes drafted to `depth`: the verify part plus the drafting part."""
+        return self._verify_cost(n) + (self._draft_cost(depth) if n > 1 else 0.0)
+
+    def _verify_cost(self, n: int) -> float:
         if n in self.seconds:
             return self.seconds[n]
         if not self.seconds:
@@ -114,20 +129,64 @@ class AdaptiveDraft:
         ref_n, ref_s = min(self.seconds.items(), key=lambda kv: abs(kv[0] - n))
         return ref_s * self._prior(n) / self._prior(ref_n)
 
+    def _draft_cost(self, depth: int) -> float:
+        if depth in self.draft_seconds:
+            return self.draft_seconds[depth]
+        if self.draft_seconds:
+            ref_d, ref_s = min(self.draft_seconds.items(), key=lambda kv: abs(kv[0] - depth))
+            return ref_s * self._draft_prior(depth) / self._draft_prior(ref_d)
+        if self.seconds:  # measured verify steps but no drafting yet: the prior in the measured unit
+            ref_n, ref_s = min(self.seconds.items())
+            return self._draft_prior(depth) * ref_s / self._prior(ref_n)
+        return self._draft_prior(depth)
+
     def _prior(self, n: int) -> float:
         keys = sorted(self.prior_cost)
         k = min(keys, key=lambda x: (abs(x - n), x))
-        return self.prior_cost[k] + (DRAFT_OVERHEAD if n > 1 else 0.0)
+        return self.prior_cost[k]
+
+    def _draft_prior(self, depth: int) -> float:
+        return DRAFT_OVERHEAD + self.depth_cost * max(0, depth - 1)
+
+    def _candidates(self, acc: list[list[float]]) -> list[tuple[int, int, float, Tree | None]]:
+        """(size, depth, expected length, pinned tree or None) of the best tree per ladder size and depth limit.
+
+        Without a depth cost only the deepest limit can win (a deeper tree of the same size never expects
+        fewer tokens and costs the same), so only that one is searched."""
+        sizes = [n for n in self.sizes if n > 1]
+        out: list[tuple[int, int, float, Tree | None]] = [(1, 0, 1.0, None)]
+        free = [n for n in sizes if n not in self.shapes]
+        depths = range(1, self.num_heads + 1) if self.depth_cost > 0 or self.draft_seconds else [self.num_heads]
+        seen: set[tuple[int, int]] = set()
+        for limit in depths if free else []:
+            order = best_first(max(free) - 1, limit, acc)
+            expected = [1.0]
+            depth = [0]
+            for path, prob in order:
+                expected.append(expected[-1] + prob)
+                depth.append(max(depth[-1], len(path)))
+            for n in free:
+                k = min(n - 1, len(order))  # nodes past the root that have a chance at all
+                if k > 0 and (k + 1, depth[k]) not in seen:
+                    seen.add((k + 1, depth[k]))
+                    out.append((k + 1, depth[k], expected[k], None))
+        for n, tree in self.shapes.items():
+            if n in sizes:
+                out.append((len(tree), tree.depth, tree.expected_length(acc), tree))
+        return out
 
     def _best(self) -> Tree:
         acc = self.accuracies()
-        best, best_rate = Tree([]), 0.0
-        for n in self.sizes:
-            tree = self.shapes.get(n) or build_tree(n, self.num_heads, acc)
-            rate = tree.expected_length(acc) / self._cost(len(tree))
-            if rate > best_rate * 1.02:  # prefer the smaller tree unless the bigger one clearly wins
-                best, best_rate = tree, rate
-        return best
+        best, best_rate = (1, 0, None), 0.0
+        # cheapest first: a dearer tree must clearly win (2%) to be chosen
+        for n, depth, expected, pinned in sorted(self._candidates(acc), key=lambda c: (c[0], c[1])):
+            rate = expected / self._cost(n, depth)
+            if rate > best_rate * 1.02:
+                best, best_rate = (n, depth, pinned), rate
+        n, depth, pinned = best
+        if n == 1:
+            return Tree([])
+        return pinned if pinned is not None else build_tree(n, depth, acc)
 
     def tree(self) -> Tree:
         """The tree for the next step: the current choice, or now and then a probe.
@@ -144,11 +203,27 @@ class AdaptiveDraft:
                 return Tree([])
         return self.current
 
-    def update(self, tree: Tree, accepted: list[int], seconds: float) -> None:
-        """Record one verify step (accuracies, and seconds when timed); re-pick the size every `every` steps."""
+    def update(
+        self,
+        tree: Tree,
+        accepted: list[int],
+        seconds: float,
+        draft_seconds: float | None = None,
+        draft_depth: int | None = None,
+    ) -> None:
+        """Record one verify step (accuracies, and seconds when timed); re-pick the tree every `every` steps.
+
+        seconds: the whole step. draft_seconds: the drafting part of it, drafted to `draft_depth` (the heads'
+        tree depth; prompt-lookup nodes grafted on afterwards cost no drafting). Without them the whole step
+        counts as the verify part of its size."""
         n = len(tree)
         if self.timed:
-            self.seconds[n] = seconds if n not in self.seconds else 0.8 * self.seconds[n] + 0.2 * seconds
+            verify = seconds
+            if draft_seconds is not None and draft_depth:
+                verify = max(seconds - draft_seconds, 0.0)
+                old = self.draft_seconds.get(draft_depth)
+                self.draft_seconds[draft_depth] = draft_seconds if old is None else 0.8 * old + 0.2 * draft_seconds
+            self.seconds[n] = verify if n not in self.seconds else 0.8 * self.seconds[n] + 0.2 * verify
         self.observe(tree, accepted)
         if self.step % self.every == 0 or (n == 1 and len(self.current) > 1):
             self.current = self._best()

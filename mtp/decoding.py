@@ -310,6 +310,7 @@ def speculative_generate(
 
         # 1. propose  2. score
         draft, q = strategy.propose(proposer, token, step_tree)  # (N,), (D, V) | None
+        draft_seconds, draft_depth = time.perf_counter() - t_step, step_tree.depth
         if ngram is not None and room > 0:
             heads_tree = step_tree
             step_tree, draft = ngram.graft(step_tree, draft, room, merge=not lossless)
@@ -324,7 +325,7 @@ def speculative_generate(
         # 4. crop KV: prefix + root + accepted path
         scorer.keep(prefix, accepted)
         if policy is not None:
-            policy.update(step_tree, accepted, time.perf_counter() - t_step)
+            policy.update(step_tree, accepted, time.perf_counter() - t_step, draft_seconds, draft_depth)
 
         # 5. emit, stopping exactly where generate() would
         new = [draft_list[i] for i in accepted[1:]] + [bonus]

@@ -30,7 +30,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from .proposer import Proposer
+from .proposer import SEQUENTIAL_DEPTH_COST, Proposer
 from .tree import Tree
 
 
@@ -100,6 +100,8 @@ class EagleProposer(Proposer):
     run no drafter layer (at most the `fc` fold above): a step that drafts nothing costs no drafter
     forward, and the next `propose` feeds everything pending in one.
     """
+
+    depth_cost = SEQUENTIAL_DEPTH_COST
 
     def __init__(self, drafter: nn.Module):
         from transformers import DynamicCache

@@ -339,6 +339,7 @@ class MTPModel(nn.Module):
                 f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new}) exceeds the model's "
                 f"{self.info.max_positions} positions"
             )
+        proposer = self.make_proposer()
         if not speculative:
             step_tree = Tree([])
         elif tree is None or tree == "auto":
@@ -360,6 +361,7 @@ class MTPModel(nn.Module):
                 timed=not (do_sample or half),
                 ladder=(1, full) if half else LADDER,
                 shapes={full: default} if half else None,
+                depth_cost=proposer.depth_cost,
             )
         else:
             step_tree = resolve_tree(tree, self.config.num_heads, self.default_tree)
@@ -369,7 +371,7 @@ class MTPModel(nn.Module):
             result = speculative_generate(
                 self.decoding_base,
                 self.info,
-                self.make_proposer(),
+                proposer,
                 input_ids,
                 step_tree,
                 max_new,

@@ -17,6 +17,11 @@ from torch import nn
 
 from .tree import Tree
 
+# One depth of a drafter that runs a module per depth (one layer, its projection onto the draft vocabulary,
+# top-k), in decode steps of the base: ~0.05 for SmolLM2 in fp32 packed on AVX2, 0.08-0.09 in bf16 on AVX512-BF16
+# (bench/profile.py --tree, the propose phase per depth).
+SEQUENTIAL_DEPTH_COST = 0.06
+
 
 class Proposer:
     """Base class: subclasses draft one token per tree node.
@@ -30,6 +35,9 @@ class Proposer:
     """
 
     feature_layers: tuple[int, ...] | None = None
+    # What drafting one more depth costs, in decode steps (a prior for `mtp.adaptive`, which then measures it):
+    # 0 for drafters that produce every depth in one pass, more for those that run a module per depth.
+    depth_cost: float = 0.0
 
     def begin(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         """After the prefill. hidden: (T, d) final hidden states of the prompt (`feature_layers`); tokens: (T,)."""
@@ -174,6 +182,8 @@ class MTPProposer(Proposer):
     Nothing is computed in `begin`/`observe`; `propose` feeds the pending positions and drafts in one
     forward per module.
     """
+
+    depth_cost = SEQUENTIAL_DEPTH_COST
 
     def __init__(self, modules: nn.Module, lm_head: nn.Module):
         from transformers import DynamicCache

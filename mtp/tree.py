@@ -131,22 +131,34 @@ def build_tree(num_nodes: int, num_heads: int, accuracies: Sequence[Sequence[flo
     nodes one by one from a frontier (best-first search) always yields a valid tree and is optimal
     for this independence model (the same construction Medusa uses for its sparse trees).
     """
-    acc = [list(row) for row in (accuracies or DEFAULT_ACCURACIES)][:num_heads]
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
-    frontier: list[tuple[float, Path]] = [(-_path_prob((r,), acc), (r,)) for r in range(len(acc[0]))]
+    return Tree([path for path, _ in best_first(num_nodes - 1, num_heads, accuracies)])
+
+
+def best_first(
+    count: int, num_heads: int, accuracies: Sequence[Sequence[float]] | None = None
+) -> list[tuple[Path, float]]:
+    """The first `count` nodes of `build_tree`'s best-first order, each with its acceptance probability.
+
+    Every prefix of the list is the best tree of that size (`build_tree(k + 1, ...)` is the first k paths), so a
+    caller comparing many sizes at one depth limit (`mtp.adaptive`) searches once, for the largest. Fewer than
+    `count` come back when no further node has a chance of being accepted.
+    """
+    acc = [list(row) for row in (accuracies or DEFAULT_ACCURACIES)][:num_heads]
+    frontier: list[tuple[float, Path]] = [(-_path_prob((r,), acc), (r,)) for r in range(len(acc[0]))] if acc else []
     heapq.heapify(frontier)
-    chosen: list[Path] = []
-    while frontier and len(chosen) < num_nodes - 1:
+    chosen: list[tuple[Path, float]] = []
+    while frontier and len(chosen) < count:
         neg_prob, path = heapq.heappop(frontier)
         if -neg_prob <= 0.0:
             break
-        chosen.append(path)
+        chosen.append((path, -neg_prob))
         if len(path) < len(acc):
             for r in range(len(acc[len(path)])):
                 child = (*path, r)
                 heapq.heappush(frontier, (-_path_prob(child, acc), child))
-    return Tree(chosen)
+    return chosen
 
 
 def resolve_tree(spec: object, num_heads: int, default: Tree) -> Tree:

@@ -6,21 +6,24 @@ import torch
 from conftest import VOCAB, random_heads, tiny_model
 
 from mtp.adaptive import PRIOR_COST_HALF, AdaptiveDraft
-from mtp.tree import Tree
+from mtp.proposer import SEQUENTIAL_DEPTH_COST
+from mtp.tree import Tree, best_first, build_tree
+
+
+def _chain_path(tree: Tree) -> list[int]:
+    """The rank-0 chain from the root: the accepted path when every head's top-1 is right."""
+    accepted = [0]
+    while True:
+        kids = [c for c in tree.children[accepted[-1]] if tree.ranks[c] == 0]
+        if not kids:
+            return accepted
+        accepted.append(kids[0])
 
 
 def _step(policy: AdaptiveDraft, hit: bool, seconds: float = 0.01) -> Tree:
-    """One simulated verify step: every node accepted (hit) or none (miss)."""
+    """One simulated verify step: the rank-0 chain accepted (hit) or nothing (miss)."""
     tree = policy.tree()
-    accepted = list(range(len(tree))) if hit and len(tree) > 1 else [0]
-    if hit and len(tree) > 1:  # the accepted path is the rank-0 chain
-        accepted = [0]
-        while True:
-            kids = [c for c in tree.children[accepted[-1]] if tree.ranks[c] == 0]
-            if not kids:
-                break
-            accepted.append(kids[0])
-    policy.update(tree, accepted, seconds)
+    policy.update(tree, _chain_path(tree) if hit else [0], seconds)
     return tree
 
 
@@ -129,3 +132,61 @@ def test_half_precision_default_drafts_the_default_tree_or_nothing(fitted, monke
     # every step verifies the default tree (cut only where max_new_tokens leaves less room) or no draft
     assert all(len(t) == 1 or t == default or set(t.paths) <= set(default.paths) for t in seen)
     assert sum(t == default for t in seen) >= len(seen) // 2
+
+
+def test_best_first_prefixes_are_the_best_trees_of_every_size():
+    acc = [[0.7, 0.2, 0.05], [0.6, 0.2], [0.5, 0.1]]
+    order = best_first(11, 3, acc)
+    for n in range(1, 13):
+        tree = build_tree(n, 3, acc)
+        assert tree.paths == Tree([p for p, _ in order[: n - 1]]).paths
+        assert abs(tree.expected_length(acc) - 1.0 - sum(prob for _, prob in order[: n - 1])) < 1e-9
+
+
+def _timed_run(seconds_per_depth: float) -> AdaptiveDraft:
+    """A sequential drafter whose top-1 is right about 3 times in 4 at every depth; each step's verify takes 1.0 s
+    whatever its size, its drafting `seconds_per_depth` per depth."""
+    acc = [[0.75, 0.1]] * 4
+    policy = AdaptiveDraft(num_heads=4, max_nodes=8, prior_accuracies=acc, depth_cost=SEQUENTIAL_DEPTH_COST)
+    for i in range(80):
+        tree = policy.tree()
+        path = _chain_path(tree)
+        hits = next((k for k in range(1, len(path)) if (3 * i + k) % 4 == 0), len(path))  # first miss
+        draft = seconds_per_depth * tree.depth
+        policy.update(tree, path[:hits], 1.0 + draft, draft_seconds=draft, draft_depth=tree.depth)
+    return policy
+
+
+def test_a_drafter_whose_depths_cost_gets_a_shallower_tree():
+    """Timed: where each depth of drafting measures dear, the policy moves to shallower trees; where it measures
+    cheap, it keeps the deepest tree the heads can fill. Drafting is kept out of the verify part."""
+    cheap, dear = _timed_run(0.0), _timed_run(0.25)
+    assert cheap.current.depth >= 3
+    assert 1 <= dear.current.depth <= 2 and len(dear.current) > 1
+    assert dear.draft_seconds and all(s == 1.0 for s in dear.seconds.values())
+
+
+def test_the_depth_cost_prior_shapes_the_first_tree():
+    acc = [[0.6, 0.1], [0.5, 0.1], [0.4, 0.1], [0.3, 0.1]]
+    flat = AdaptiveDraft(num_heads=4, max_nodes=8, prior_accuracies=acc)
+    deep = AdaptiveDraft(num_heads=4, max_nodes=8, prior_accuracies=acc, depth_cost=0.5)
+    assert flat.current == build_tree(len(flat.current), 4, acc)  # depth cost 0: the unlimited best tree
+    assert deep.current.depth < flat.current.depth
+
+
+def test_generate_reports_drafting_time_and_depth_to_the_policy(fitted, monkeypatch):
+    from mtp.adaptive import AdaptiveDraft as Policy
+
+    model, prompts, _ = fitted("llama")
+    calls = []
+    real = Policy.update
+
+    def spy(self, tree, accepted, seconds, draft_seconds=None, draft_depth=None):
+        calls.append((tree, seconds, draft_seconds, draft_depth))
+        return real(self, tree, accepted, seconds, draft_seconds, draft_depth)
+
+    monkeypatch.setattr(Policy, "update", spy)
+    model.generate(prompts[2], max_new_tokens=24, prompt_lookup=False)
+    drafted = [c for c in calls if len(c[0]) > 1]
+    assert drafted
+    assert all(0.0 < d <= s and depth == tree.depth for tree, s, d, depth in drafted)

@@ -127,7 +127,9 @@ def test_greedy_output_matches_generate_and_drafts_are_accepted(arch):
             longest = max(longest, *out.accepted_lengths)
     print(arch, {k: [round(t, 2) for t in v] for k, v in taus.items()})
     for name, values in taus.items():
-        assert sum(values) / len(values) > 1.8, (arch, name, values)
+        # auto prices each drafted depth as measured, and in these tiny models one drafter step costs a large share
+        # of a verify forward: it may choose shallow trees, but it must draft
+        assert sum(values) / len(values) > (1.8 if name != "auto" else 1.3), (arch, name, values)
     assert longest == DEPTHS + 1  # every one of the 6 depths drafted an accepted token somewhere
     # held-out prompts, and one that repeats itself (prompt-lookup chains grafted onto the drafter's tree)
     g = torch.Generator().manual_seed(len(arch))

@@ -72,7 +72,7 @@ def test_accurate_modules_accept_most_drafts():
     prompts = [torch.randint(3, VOCAB, (1, n), generator=g) for n in (1, 4, 7, 12)]
     seqs = [base.generate(p, max_new_tokens=60, do_sample=False) for p in prompts]
     model = fit(MTPModel.from_base(base, num_heads=3, head_type="mtp"), seqs, steps=60, lr=3e-3)
-    for tree in ("chain", None):
+    for tree in ("chain", "default", None):
         taus = []
         for ids, ref in zip(prompts, seqs, strict=True):
             out = model.generate(
@@ -80,8 +80,10 @@ def test_accurate_modules_accept_most_drafts():
             )
             assert torch.equal(out.sequences, ref)
             taus.append(out.tau)
-        print(f"fitted MTP modules, {tree or 'default tree'}: tau {[round(t, 2) for t in taus]}")
-        assert min(taus) > 2.0, taus
+        print(f"fitted MTP modules, {tree or 'auto'}: tau {[round(t, 2) for t in taus]}")
+        # The adaptive policy (None) prices each drafted depth as measured; in a model this small one module costs
+        # a large share of a verify forward, so it may pick shallow trees: it must still draft, not stay plain.
+        assert min(taus) > (2.0 if tree else 1.3), taus
 
 
 @pytest.fixture(scope="module")
