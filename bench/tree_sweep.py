@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write and len(candidates) > 1:
         parser.error("--write stores one head set's size: give one --heads with it")
 
+    from mtp.cli import _pack_decoding
     from mtp.config import MTPConfig
     from mtp.default_model import load_default_mtp, resolve_heads
 
@@ -91,13 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     models = [first] + [
         MTPModel.from_pretrained(resolve_heads(h), base_model=first.base_model) for h, _ in candidates[1:]
     ]
-    if args.pack:
-        from mtp.packed import unpackable_reason
-
-        reason = unpackable_reason(first.base_model)
-        if reason is None:
-            models = [model.pack_decoding() for model in models]
-        print("decoding from prepacked weights" if reason is None else f"decoding unpacked: {reason}", flush=True)
+    for model in models:
+        _pack_decoding(model, args.pack)  # the CLI's own: packs where the CPU can, says why not where it cannot
     variants = [
         (f"{h} tree_nodes {n:3d}", model, n)
         for (h, sizes), model in zip(candidates, models, strict=True)
