@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .tree import DEFAULT_ACCURACIES, Tree, best_first, build_tree
+from .tree import DEFAULT_ACCURACIES, Path, Tree, best_first, build_tree
 
 # Drafting itself (running the heads, top-k, building the step's inputs), relative to one decode step; the
 # verify-cost curves below are forwards only. Without it, weak heads on hardware where verifying is free
@@ -148,13 +148,13 @@ class AdaptiveDraft:
     def _draft_prior(self, depth: int) -> float:
         return DRAFT_OVERHEAD + self.depth_cost * max(0, depth - 1)
 
-    def _candidates(self, acc: list[list[float]]) -> list[tuple[int, int, float, Tree | None]]:
-        """(size, depth, expected length, pinned tree or None) of the best tree per ladder size and depth limit.
+    def _candidates(self, acc: list[list[float]]) -> list[tuple[int, int, float, tuple[Path, ...]]]:
+        """(size, depth, expected length, paths) of the best tree per ladder size and depth limit.
 
         Without a depth cost only the deepest limit can win (a deeper tree of the same size never expects
         fewer tokens and costs the same), so only that one is searched."""
         sizes = [n for n in self.sizes if n > 1]
-        out: list[tuple[int, int, float, Tree | None]] = [(1, 0, 1.0, None)]
+        out: list[tuple[int, int, float, tuple[Path, ...]]] = [(1, 0, 1.0, ())]
         free = [n for n in sizes if n not in self.shapes]
         depths = range(1, self.num_heads + 1) if self.depth_cost > 0 or self.draft_seconds else [self.num_heads]
         seen: set[tuple[int, int]] = set()
@@ -169,24 +169,22 @@ class AdaptiveDraft:
                 k = min(n - 1, len(order))  # nodes past the root that have a chance at all
                 if k > 0 and (k + 1, depth[k]) not in seen:
                     seen.add((k + 1, depth[k]))
-                    out.append((k + 1, depth[k], expected[k], None))
+                    out.append((k + 1, depth[k], expected[k], tuple(path for path, _ in order[:k])))
         for n, tree in self.shapes.items():
             if n in sizes:
-                out.append((len(tree), tree.depth, tree.expected_length(acc), tree))
+                out.append((len(tree), tree.depth, tree.expected_length(acc), tree.paths))
         return out
 
     def _best(self) -> Tree:
-        acc = self.accuracies()
-        best, best_rate = (1, 0, None), 0.0
+        best, best_rate = (), 0.0
         # cheapest first: a dearer tree must clearly win (2%) to be chosen
-        for n, depth, expected, pinned in sorted(self._candidates(acc), key=lambda c: (c[0], c[1])):
+        for n, depth, expected, paths in sorted(self._candidates(self.accuracies()), key=lambda c: (c[0], c[1])):
             rate = expected / self._cost(n, depth)
             if rate > best_rate * 1.02:
-                best, best_rate = (n, depth, pinned), rate
-        n, depth, pinned = best
-        if n == 1:
-            return Tree([])
-        return pinned if pinned is not None else build_tree(n, depth, acc)
+                best, best_rate = paths, rate
+        tree = Tree(best)
+        # the same tree as now: keep the instance, whose per-tree tables (ancestors, positions) are already built
+        return self.current if tree == getattr(self, "current", None) else tree
 
     def tree(self) -> Tree:
         """The tree for the next step: the current choice, or now and then a probe.
