@@ -8,8 +8,9 @@ generator, proposer state and acceptance statistics. One `BatchDecoder.step()`:
                 chunks of `prefill_chunk` tokens per step so they never stall the running rows for seconds
   2. plan       pick the step's node budget N (1 = plain decoding) that maximises the batch's expected
                 tokens per second (`StepCost`: forward seconds as a function of the tokens in one forward,
-                measured on this machine, plus each drafting row's cost; each row's expected length from
-                its own measured acceptance). Under heavy load this is N = 1: plain batched decoding.
+                measured on this machine, plus each drafting row's drafting, priced per drafted depth; each
+                row's expected length from its own measured acceptance, its tree of N nodes as deep as pays).
+                Under heavy load this is N = 1: plain batched decoding.
   3. propose    each row's proposer drafts its best tree of <= N nodes (+ its prompt-lookup chain)
   4. score      ONE forward over every row's tree, padded to the widest; row i's 4D mask lets its nodes see
                 its own prefix (and sliding window) and their ancestors, nothing of other rows or padding
@@ -41,7 +42,7 @@ from .eagle import select_features
 from .kv_cache import new_cache
 from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows
 from .sampling import SamplingParams
-from .tree import Tree, build_tree, resolve_tree
+from .tree import Tree, best_first, resolve_tree
 
 # Configs whose CausalLM head does more than `lm_head(hidden)` (scaling, soft-capping): for those the engine
 # runs the whole CausalLM forward instead of the decoder + lm_head on the real (unpadded) nodes only.
@@ -59,7 +60,14 @@ class StepCost:
 
     tokens: tuple[int, ...]  # forward sizes measured (ascending)
     seconds: tuple[float, ...]
-    draft_seconds: float  # one row's drafting (heads + tree) per step
+    draft_seconds: float  # one row's drafting (heads + tree) of a one-depth tree per step
+    # Each further drafted depth: the MTP modules and the EAGLE drafter run one drafter step per depth, so a
+    # deep tree's drafting can cost a row as much as its share of the verify forward (Medusa heads: ~0).
+    depth_seconds: float = 0.0
+
+    def draft(self, depth: int) -> float:
+        """Seconds of one row's drafting of a tree `depth` deep."""
+        return self.draft_seconds + self.depth_seconds * max(0, depth - 1)
 
     def forward(self, n: int) -> float:
         """Seconds for a forward over n tokens: linear between measured sizes, linear growth beyond."""
@@ -74,7 +82,8 @@ class StepCost:
 
     @classmethod
     def measure(cls, model, sizes: Sequence[int] = (1, 4, 16, 32, 64, 128, 256), context: int = 256) -> StepCost:
-        """Time forwards of `sizes` new tokens over a `context`-token cache, and one row's drafting."""
+        """Time forwards of `sizes` new tokens over a `context`-token cache, and one row's drafting (of the
+        default tree's first depth and of the whole default tree, which gives the cost per depth)."""
         base, device = model.decoding_base, next(model.parameters()).device
         vocab = model.info.vocab_size
         gen = torch.Generator().manual_seed(0)
@@ -98,14 +107,19 @@ class StepCost:
             states = base(input_ids=prompt[:, :m], output_hidden_states=True).hidden_states
             hidden = select_features(states, getattr(proposer, "feature_layers", None))[0]
             proposer.begin(hidden, prompt[0, :m])
-            tree, root = model.default_tree, int(prompt[0, m])
-            proposer.propose(root, tree)  # warm-up (first call builds plans)
-            best = float("inf")
-            for _ in range(3):
-                t = time.perf_counter()
-                proposer.propose(root, tree)
-                best = min(best, time.perf_counter() - t)
-        return cls(tuple(sizes), tuple(seconds), best)
+            full, root = model.default_tree, int(prompt[0, m])
+            first = Tree([p for p in full.paths if len(p) == 1])
+            drafting = []
+            for tree in (first, full):
+                proposer.propose(root, tree)  # warm-up (first call builds plans)
+                best = float("inf")
+                for _ in range(3):
+                    t = time.perf_counter()
+                    proposer.propose(root, tree)
+                    best = min(best, time.perf_counter() - t)
+                drafting.append(best)
+        per_depth = max(0.0, drafting[1] - drafting[0]) / max(1, full.depth - 1)
+        return cls(tuple(sizes), tuple(seconds), drafting[0], per_depth)
 
 
 @dataclass
@@ -370,13 +384,38 @@ class BatchDecoder:
             return Tree([]), 1.0
         if self.fixed_tree is not None:
             return self.fixed_tree, self.fixed_tree.expected_length(row.policy.accuracies())
-        got = row.trees.get(budget)
-        if got is None:
-            acc = row.policy.accuracies()
-            tree = self.default_tree if budget == len(self.default_tree) and self.half else None
-            tree = tree or build_tree(budget, self.model.config.num_heads, acc)
-            got = row.trees[budget] = (tree, tree.expected_length(acc))
-        return got
+        if budget not in row.trees:
+            row.trees = self._trees(row, budget)
+        return row.trees[budget]
+
+    def _trees(self, row: _Row, also: int) -> dict[int, tuple[Tree, float]]:
+        """The row's tree for every node budget (and `also`), chosen from its own acceptance estimates.
+
+        Where drafting costs per depth (`StepCost.depth_seconds`), each budget's tree is the best of every depth
+        limit for this row's tokens per second: expected length over its share of the batch's forward plus its
+        own drafting. The deepest tree of a size expects the most tokens but, from a sequential drafter, can
+        cost more drafting than its last depths bring. One best-first search per depth limit serves every
+        budget (its prefixes are the best trees of each size)."""
+        acc = row.policy.accuracies()
+        cost, B, heads = self.cost, max(1, len(self.rows)), self.model.config.num_heads
+        budgets = sorted((set(self.budgets) | set(self.budgets_alone) | {also}) - {1})
+        depths = range(1, heads + 1) if cost.depth_seconds > 0 else [heads]
+        best: dict[int, tuple[float, Tree, float]] = {}
+        for limit in depths:
+            order = best_first(budgets[-1] - 1, limit, acc)
+            expected, depth = [1.0], [0]
+            for path, prob in order:
+                expected.append(expected[-1] + prob)
+                depth.append(max(depth[-1], len(path)))
+            for n in budgets:
+                k = min(n - 1, len(order))
+                rate = expected[k] / (cost.forward(B * n) / B + cost.draft(depth[k]))
+                if n not in best or rate > best[n][0] * 1.02:  # shallower first: a deeper tree must clearly win
+                    best[n] = (rate, Tree([path for path, _ in order[:k]]), expected[k])
+        trees = {n: (tree, expected) for n, (_, tree, expected) in best.items()}
+        if self.half and len(self.default_tree) in trees:  # half precision keeps its pinned default tree
+            trees[len(self.default_tree)] = (self.default_tree, self.default_tree.expected_length(acc))
+        return trees
 
     def _plan(self) -> int:
         """The node budget with the most expected tokens per second for the whole batch."""
@@ -392,7 +431,7 @@ class BatchDecoder:
         best, best_rate = 1, len(self.rows) / cost.forward(B)
         for n in sorted(set(self.budgets if B > 1 else self.budgets_alone) - {1}):
             expected = sum(self._tree(r, n)[1] for r in self.rows)
-            seconds = cost.forward(B * n) + cost.draft_seconds * len(spec)
+            seconds = cost.forward(B * n) + sum(cost.draft(self._tree(r, n)[0].depth) for r in spec)
             rate = expected / seconds
             # The smaller budget unless the bigger one clearly wins; with company by a wider margin, since the
             # per-row work the curve leaves out (verify, KV commit, catching the drafter up) grows with the rows.

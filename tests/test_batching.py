@@ -175,6 +175,30 @@ def test_plan_prefers_speculation_for_one_row_and_plain_for_a_full_batch():
     assert len(many.rows) == 64 and many._plan() == 1
 
 
+def test_rows_draft_shallower_trees_where_each_drafted_depth_costs():
+    """A sequential drafter pays one drafter step per depth (`StepCost.depth_seconds`): where a depth costs as
+    much as the whole verify forward, every speculating row's tree stays one depth deep; where depths are free,
+    the same accurate heads draft deep trees. Either way each request decodes exactly what it decodes alone."""
+    model, train = fitted_model("llama")
+    dear = StepCost(tokens=(1, 100000), seconds=(1.0, 1.0), draft_seconds=0.05, depth_seconds=1.0)
+    free = StepCost(tokens=(1, 100000), seconds=(1.0, 1.0), draft_seconds=0.05, depth_seconds=0.0)
+    assert dear.draft(1) == 0.05 and dear.draft(3) == pytest.approx(2.05)
+    for cost, shallow in ((dear, True), (free, False)):
+        engine = BatchDecoder(model, guard=False, cost=cost, prompt_lookup=False, probe_every=10**9)
+        depths = []
+        score = engine._score
+
+        def spy(trees, drafts, depths=depths, score=score):
+            depths.extend(t.depth for t in trees if len(t) > 1)
+            return score(trees, drafts)
+
+        engine._score = spy
+        outs, _ = run(engine, train, 30)
+        assert outs == [solo(model, p, 30) for p in train]
+        assert depths, "the rows drafted nothing"
+        assert (max(depths) == 1) if shallow else (max(depths) >= 3), (cost, sorted(set(depths)))
+
+
 def test_kv_budget_makes_requests_wait_and_rejects_what_never_fits():
     model, train = fitted_model("llama")
     probe = BatchDecoder(model, guard=False, cost=CHEAP_TREES)
@@ -271,6 +295,7 @@ def test_step_cost_measures_and_interpolates():
     model, _ = fitted_model("llama")
     cost = StepCost.measure(model, sizes=(1, 8, 32), context=16)
     assert len(cost.seconds) == 3 and all(s > 0 for s in cost.seconds) and cost.draft_seconds > 0
+    assert cost.depth_seconds >= 0 and cost.draft(model.default_tree.depth) >= cost.draft(1)
     c = StepCost((1, 10), (1.0, 2.0), 0.0)
     assert c.forward(1) == 1.0 and c.forward(5.5) == pytest.approx(1.5) and c.forward(19) == pytest.approx(3.0)
 
