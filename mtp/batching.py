@@ -81,7 +81,7 @@ class StepCost:
         return ys[-1] + slope * (n - xs[-1])
 
     @classmethod
-    def measure(cls, model, sizes: Sequence[int] = (1, 4, 16, 32, 64, 128, 256), context: int = 256) -> StepCost:
+    def measure(cls, model, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), context: int = 256) -> StepCost:
         """Time forwards of `sizes` new tokens over a `context`-token cache, and one row's drafting (of the
         default tree's first depth and of the whole default tree, which gives the cost per depth)."""
         base, device = model.decoding_base, next(model.parameters()).device
