@@ -400,7 +400,7 @@ class BatchDecoder:
         cost, B, heads = self.cost, max(1, len(self.rows)), self.model.config.num_heads
         budgets = sorted((set(self.budgets) | set(self.budgets_alone) | {also}) - {1})
         depths = range(1, heads + 1) if cost.depth_seconds > 0 else [heads]
-        best: dict[int, tuple[float, Tree, float]] = {}
+        best: dict[int, tuple[float, tuple, float]] = {}  # budget -> (rate, paths, expected length)
         for limit in depths:
             order = best_first(budgets[-1] - 1, limit, acc)
             expected, depth = [1.0], [0]
@@ -411,8 +411,8 @@ class BatchDecoder:
                 k = min(n - 1, len(order))
                 rate = expected[k] / (cost.forward(B * n) / B + cost.draft(depth[k]))
                 if n not in best or rate > best[n][0] * 1.02:  # shallower first: a deeper tree must clearly win
-                    best[n] = (rate, Tree([path for path, _ in order[:k]]), expected[k])
-        trees = {n: (tree, expected) for n, (_, tree, expected) in best.items()}
+                    best[n] = (rate, tuple(path for path, _ in order[:k]), expected[k])
+        trees = {n: (Tree(paths), expected) for n, (_, paths, expected) in best.items()}
         if self.half and len(self.default_tree) in trees:  # half precision keeps its pinned default tree
             trees[len(self.default_tree)] = (self.default_tree, self.default_tree.expected_length(acc))
         return trees
@@ -430,8 +430,9 @@ class BatchDecoder:
         cost, B = self.cost, len(self.rows)
         best, best_rate = 1, len(self.rows) / cost.forward(B)
         for n in sorted(set(self.budgets if B > 1 else self.budgets_alone) - {1}):
-            expected = sum(self._tree(r, n)[1] for r in self.rows)
-            seconds = cost.forward(B * n) + sum(cost.draft(self._tree(r, n)[0].depth) for r in spec)
+            trees = [(r, *self._tree(r, n)) for r in self.rows]
+            expected = sum(e for _, _, e in trees)
+            seconds = cost.forward(B * n) + sum(cost.draft(t.depth) for r, t, _ in trees if r.speculative)
             rate = expected / seconds
             # The smaller budget unless the bigger one clearly wins; with company by a wider margin, since the
             # per-row work the curve leaves out (verify, KV commit, catching the drafter up) grows with the rows.
