@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .tree import DEFAULT_ACCURACIES, Path, Tree, best_first, build_tree
+from .tree import DEFAULT_ACCURACIES, Path, Tree, best_trees, build_tree
 
 # Drafting itself (running the heads, top-k, building the step's inputs), relative to one decode step; the
 # verify-cost curves below are forwards only. Without it, weak heads on hardware where verifying is free
@@ -158,18 +158,11 @@ class AdaptiveDraft:
         free = [n for n in sizes if n not in self.shapes]
         depths = range(1, self.num_heads + 1) if self.depth_cost > 0 or self.draft_seconds else [self.num_heads]
         seen: set[tuple[int, int]] = set()
-        for limit in depths if free else []:
-            order = best_first(max(free) - 1, limit, acc)
-            expected = [1.0]
-            depth = [0]
-            for path, prob in order:
-                expected.append(expected[-1] + prob)
-                depth.append(max(depth[-1], len(path)))
-            for n in free:
-                k = min(n - 1, len(order))  # nodes past the root that have a chance at all
-                if k > 0 and (k + 1, depth[k]) not in seen:
-                    seen.add((k + 1, depth[k]))
-                    out.append((k + 1, depth[k], expected[k], tuple(path for path, _ in order[:k])))
+        for limit in depths:
+            for choice in best_trees(free, limit, acc).values():
+                if choice.size > 1 and (choice.size, choice.depth) not in seen:  # nodes with a chance at all
+                    seen.add((choice.size, choice.depth))
+                    out.append(choice)
         for n, tree in self.shapes.items():
             if n in sizes:
                 out.append((len(tree), tree.depth, tree.expected_length(acc), tree.paths))

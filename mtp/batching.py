@@ -42,7 +42,7 @@ from .eagle import select_features
 from .kv_cache import new_cache
 from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows
 from .sampling import SamplingParams
-from .tree import Tree, best_first, resolve_tree
+from .tree import Tree, best_trees, resolve_tree
 
 # Configs whose CausalLM head does more than `lm_head(hidden)` (scaling, soft-capping): for those the engine
 # runs the whole CausalLM forward instead of the decoder + lm_head on the real (unpadded) nodes only.
@@ -402,16 +402,10 @@ class BatchDecoder:
         depths = range(1, heads + 1) if cost.depth_seconds > 0 else [heads]
         best: dict[int, tuple[float, tuple, float]] = {}  # budget -> (rate, paths, expected length)
         for limit in depths:
-            order = best_first(budgets[-1] - 1, limit, acc)
-            expected, depth = [1.0], [0]
-            for path, prob in order:
-                expected.append(expected[-1] + prob)
-                depth.append(max(depth[-1], len(path)))
-            for n in budgets:
-                k = min(n - 1, len(order))
-                rate = expected[k] / (cost.forward(B * n) / B + cost.draft(depth[k]))
+            for n, choice in best_trees(budgets, limit, acc).items():
+                rate = choice.expected / (cost.forward(B * n) / B + cost.draft(choice.depth))
                 if n not in best or rate > best[n][0] * 1.02:  # shallower first: a deeper tree must clearly win
-                    best[n] = (rate, tuple(path for path, _ in order[:k]), expected[k])
+                    best[n] = (rate, choice.paths, choice.expected)
         trees = {n: (Tree(paths), expected) for n, (_, paths, expected) in best.items()}
         if self.half and len(self.default_tree) in trees:  # half precision keeps its pinned default tree
             trees[len(self.default_tree)] = (self.default_tree, self.default_tree.expected_length(acc))

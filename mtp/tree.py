@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from functools import cached_property, lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -159,6 +160,40 @@ def best_first(
                 child = (*path, r)
                 heapq.heappush(frontier, (-_path_prob(child, acc), child))
     return chosen
+
+
+class TreeChoice(NamedTuple):
+    """One candidate tree: its size (root included), depth, expected acceptance length and paths."""
+
+    size: int
+    depth: int
+    expected: float
+    paths: tuple[Path, ...]
+
+
+def best_trees(
+    budgets: Sequence[int], depth_limit: int, accuracies: Sequence[Sequence[float]] | None = None
+) -> dict[int, TreeChoice]:
+    """The best tree of at most ``n`` nodes (root included) for every ``n`` in ``budgets``, at one depth limit.
+
+    Why one search: every prefix of `best_first`'s order is the best tree of its size, so a policy that
+    weighs many sizes (and prices each by its depth, since a sequential drafter pays per drafted depth)
+    searches once for the largest and reads every smaller tree off it. A budget larger than the nodes with
+    any chance of acceptance gets the smaller tree that has them all (its ``size`` says so).
+    """
+    budgets = [n for n in budgets if n > 1]
+    if not budgets:
+        return {}
+    order = best_first(max(budgets) - 1, depth_limit, accuracies)
+    expected, depth = [1.0], [0]
+    for path, prob in order:
+        expected.append(expected[-1] + prob)
+        depth.append(max(depth[-1], len(path)))
+    out: dict[int, TreeChoice] = {}
+    for n in budgets:
+        k = min(n - 1, len(order))
+        out[n] = TreeChoice(k + 1, depth[k], expected[k], tuple(path for path, _ in order[:k]))
+    return out
 
 
 def resolve_tree(spec: object, num_heads: int, default: Tree) -> Tree:

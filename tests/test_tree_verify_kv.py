@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from mtp.kv_cache import keep_accepted
-from mtp.tree import DEFAULT_ACCURACIES, Tree, build_tree, chain
+from mtp.tree import DEFAULT_ACCURACIES, Tree, best_trees, build_tree, chain
 from mtp.verify import verify_greedy
 
 PATHS = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -54,6 +54,21 @@ def test_build_tree_is_valid_sized_and_best_first():
     # with a perfect head 1 and useless others, the tree spends nothing beyond depth 1
     acc = [[1.0, 0.0], [0.0, 0.0]]
     assert build_tree(5, 2, acc).paths == ((0,),)
+
+
+def test_best_trees_reads_every_budget_off_one_search():
+    acc = [list(row) for row in DEFAULT_ACCURACIES]
+    for limit in (1, 2, 4):
+        choices = best_trees([1, 2, 5, 9, 17], limit, acc)
+        assert sorted(choices) == [2, 5, 9, 17]  # a one-node budget is no tree to draft
+        for n, c in choices.items():
+            tree = build_tree(n, limit, acc)
+            assert Tree(c.paths).paths == tree.paths and c.size == len(tree) <= n
+            assert c.depth == tree.depth <= limit
+            assert c.expected == pytest.approx(tree.expected_length(acc))
+    # nodes without a chance are never spent: a bigger budget gets the smaller tree that holds them all
+    useless_after_one = [[0.9, 0.0], [0.0, 0.0]]
+    assert best_trees([4], 2, useless_after_one)[4] == (2, 1, pytest.approx(1.9), ((0,),))
 
 
 def test_verify_greedy_literal():
