@@ -76,10 +76,9 @@ def bench(
     import torch
 
     from mtp import MTPModel
-    from mtp.cli import _parse_tree
     from mtp.packed import bf16_matmul_units
 
-    from .methods import assisted, ours, ours_one_token, plain, prompt_lookup
+    from .methods import assisted, plain, prompt_lookup
     from .mtbench import chat_prompt_ids, first_turn_ids
     from .run import markdown_table, run_prompts, summary_rows, write_outputs
     from .verify_cost import relative, verify_cost_curve
@@ -103,30 +102,12 @@ def bench(
         }
         first = next(iter(sets.values()))
         table = {"plain": plain(mtp_model)}
-        compiled = packed = None
         for name in wanted:
             if name == "prompt_lookup":
                 table[name] = prompt_lookup(mtp_model)
             elif name == "assisted":
                 table[name] = assisted(mtp_model, _assistant(mtp_model, assistant, assistant_layers, torch_dtype))
-            elif name == "chain":
-                table[name] = ours(mtp_model, "chain")
-            elif name == "tree":
-                table[name] = ours(mtp_model, _parse_tree(tree))
-            elif name == "tree_lookup":
-                table[name] = ours(mtp_model, _parse_tree(tree), prompt_lookup=True)
-            elif name == "auto":
-                table[name] = ours(mtp_model, None, prompt_lookup=True)
-            elif name in ("plain_packed", "auto_packed"):
-                packed = packed or _packed(mtp_model)
-                table[name] = (
-                    ours_one_token(packed) if name == "plain_packed" else ours(packed, None, prompt_lookup=True)
-                )
-            elif name in ("plain_compiled", "auto_compiled"):
-                compiled = compiled or _compiled(mtp_model)
-                table[name] = (
-                    ours_one_token(compiled) if name == "plain_compiled" else ours(compiled, None, prompt_lookup=True)
-                )
+        table |= _decoding_methods(mtp_model, wanted, tree)
         for spec in [x for x in extra_heads.split(",") if x.strip()]:
             label, _, directory = spec.partition("=")
             if not directory:
@@ -217,23 +198,41 @@ def _prompt_sets(spec: str, limit: int, heldout_n: int, source: str) -> dict[str
     return sets
 
 
-def _extra_head_methods(label: str, other, wanted: list[str], tree: str) -> dict:
-    """Another head set under the requested drafting methods (chain and tree if none is), packed or compiled
-    where those are requested: each head set is compared with ours under the same runtime."""
+# The methods whose speed depends on the head set: another head set (--extra-heads) runs these.
+HEAD_METHODS = ("chain", "tree", "tree_lookup", "auto", "auto_packed", "auto_compiled")
+
+
+def _decoding_methods(mtp_model, wanted: list[str], tree: str) -> dict:
+    """Our decoder under every requested method of its own (the baselines are built elsewhere), in request order.
+
+    One prepacked and one compiled copy serve all methods that ask for them."""
     from mtp.cli import _parse_tree
 
-    from .methods import ours
+    from .methods import ours, ours_one_token
 
-    table = {}
-    for m in [m for m in ("chain", "tree", "auto", "auto_packed", "auto_compiled") if m in wanted] or ["chain", "tree"]:
-        if m == "auto_packed":
-            table[f"{label}-{m}"] = ours(_packed(other), None, prompt_lookup=True)
-        elif m == "auto_compiled":
-            table[f"{label}-{m}"] = ours(_compiled(other), None, prompt_lookup=True)
-        else:
-            spec = {"chain": "chain", "tree": _parse_tree(tree), "auto": None}[m]
-            table[f"{label}-{m}"] = ours(other, spec, prompt_lookup=m == "auto")
+    table, packed, compiled = {}, None, None
+    for name in wanted:
+        if name == "chain":
+            table[name] = ours(mtp_model, "chain")
+        elif name in ("tree", "tree_lookup"):
+            table[name] = ours(mtp_model, _parse_tree(tree), prompt_lookup=name == "tree_lookup")
+        elif name == "auto":
+            table[name] = ours(mtp_model, None, prompt_lookup=True)
+        elif name in ("plain_packed", "auto_packed"):
+            packed = packed or _packed(mtp_model)
+            table[name] = ours_one_token(packed) if name == "plain_packed" else ours(packed, None, prompt_lookup=True)
+        elif name in ("plain_compiled", "auto_compiled"):
+            compiled = compiled or _compiled(mtp_model)
+            one = name == "plain_compiled"
+            table[name] = ours_one_token(compiled) if one else ours(compiled, None, prompt_lookup=True)
     return table
+
+
+def _extra_head_methods(label: str, other, wanted: list[str], tree: str) -> dict:
+    """Another head set under the requested methods that depend on heads (chain and tree if none is), packed
+    or compiled where those are requested: each head set is compared with ours under the same runtime."""
+    names = [m for m in wanted if m in HEAD_METHODS] or ["chain", "tree"]
+    return {f"{label}-{name}": method for name, method in _decoding_methods(other, names, tree).items()}
 
 
 def _packed(mtp_model):

@@ -180,3 +180,8 @@ def test_extra_head_sets_run_under_the_requested_runtime(monkeypatch):
     assert seen == [("packed", other), ("compiled", other)]
     assert list(cli._extra_head_methods("v1", other, ["plain", "auto"], "default")) == ["v1-auto"]
     assert list(cli._extra_head_methods("v1", other, ["plain"], "default")) == ["v1-chain", "v1-tree"]
+    # one prepacked copy serves every method that asks for one; the baselines are not built here
+    seen.clear()
+    table = cli._decoding_methods(other, ["plain", "plain_packed", "auto_packed", "tree_lookup"], "default")
+    assert list(table) == ["plain_packed", "auto_packed", "tree_lookup"]
+    assert seen == [("packed", other)]
