@@ -4,10 +4,11 @@
 
 Self-distilled answers are the drafter's best training data and, on a CPU, the most expensive part of a training
 stage, so the engine that writes them is worth timing on its own: `batched` (continuous batching through
-`mtp.batching`, drafting off) against `generate` (the model's own `generate()` over left-padded batches). The
-prompts are the same for every engine: `--n` prompts starting at `--start` of a prompt file (by default the
-training split, far past the prompts any shipped head set was distilled on), sorted by templated length as
-`mtp distill` sorts a shard. Greedy answers must be identical across engines; the table says how many are.
+`mtp.batching`, drafting off, from prepacked weights where the CPU can; `batched-unpacked` from the model's
+own) against `generate` (the model's own `generate()` over left-padded batches). The prompts are the same for
+every engine: `--n` prompts starting at `--start` of a prompt file (by default the training split, far past
+the prompts any shipped head set was distilled on), sorted by templated length as `mtp distill` sorts a
+shard. Greedy answers must be identical across engines; the table says how many are.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from mtp.train.distill import ENGINES, DistillOptions, _template, answer_prompts
 def run_engine(name: str, model, tokenizer, encoded: list[list[int]], opts: DistillOptions) -> list[list[int]]:
     """Every prompt's answer (cut after EOS), in prompt order; prompts go in sorted by length, as in a shard."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    got = answer_prompts(model, tokenizer, {i: encoded[i] for i in order}, replace(opts, engine=name))
+    engine, _, unpacked = name.partition("-")
+    opts = replace(opts, engine=engine, pack=unpacked != "unpacked")
+    got = answer_prompts(model, tokenizer, {i: encoded[i] for i in order}, opts)
     return [got[i] for i in range(len(encoded))]
 
 
@@ -48,8 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     engines = args.engines.split(",")
-    if unknown := [e for e in engines if e not in ENGINES]:
-        p.error(f"unknown engine(s) {unknown}: choose from {', '.join(ENGINES)}")
+    choices = (*ENGINES, "batched-unpacked")
+    if unknown := [e for e in engines if e not in choices]:
+        p.error(f"unknown engine(s) {unknown}: choose from {', '.join(choices)}")
 
     torch.manual_seed(0)
     dtype = dtype_name(args.dtype)

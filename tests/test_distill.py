@@ -72,16 +72,25 @@ def test_distill_matches_unbatched_greedy_and_resumes(tmp_path, tiny_ckpt):  # n
     assert 0 < torch.cat([packed.train_mask, packed.eval_mask]).float().mean() < 1
 
 
-def test_distill_engines_give_the_same_answers(tmp_path, tiny_ckpt):  # noqa: F811
-    """Continuous batching (rows refilled as answers end) and left-padded generate() store the same rows."""
+def test_distill_engines_give_the_same_answers(tmp_path, tiny_ckpt, monkeypatch):  # noqa: F811
+    """Continuous batching (rows refilled as answers end; from prepacked weights or the model's own) and
+    left-padded generate() store the same rows."""
+    from mtp.packed import PackedLinear, can_pack
+
+    rows_packed: list[int] = []
+    forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: rows_packed.append(x.shape[-2]) or forward(self, x))
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     _distill(tiny_ckpt, data, tmp_path / "batched", "--batch-size", "3", "--shard-size", "6")
+    assert bool(rows_packed) == can_pack(AutoModelForCausalLM.from_pretrained(str(tiny_ckpt)))
+    calls = len(rows_packed)
+    _distill(tiny_ckpt, data, tmp_path / "unpacked", "--batch-size", "3", "--shard-size", "6", "--no-pack")
     _distill(tiny_ckpt, data, tmp_path / "generate", "--engine", "generate")
-    batched, padded = load_distilled(tmp_path / "batched"), load_distilled(tmp_path / "generate")
-    assert sorted(batched.to_list(), key=lambda r: r["prompt_id"]) == sorted(
-        padded.to_list(), key=lambda r: r["prompt_id"]
-    )
+    assert len(rows_packed) == calls  # --no-pack and generate() run the model's own weights
+    rows = {name: sorted(load_distilled(tmp_path / name).to_list(), key=lambda r: r["prompt_id"])
+            for name in ("batched", "unpacked", "generate")}  # fmt: skip
+    assert rows["batched"] == rows["generate"] and rows["unpacked"] == rows["generate"]
     result = runner.invoke(app, ["distill", "--model", str(tiny_ckpt), "--data", str(data), "--out",
                                  str(tmp_path / "x"), "--engine", "vllm"])  # fmt: skip
     assert result.exit_code == 2 and "unknown engine" in result.output

@@ -72,6 +72,9 @@ def distill_command(
         help="batched: continuous batching, a finished answer's row goes to the next prompt (~1.4x faster); "
         "generate: the model's own generate() over left-padded batches.",
     ),
+    pack: bool = typer.Option(
+        True, "--pack/--no-pack", help="batched engine: decode from weights prepacked for the CPU's matmul kernels."
+    ),
 ) -> None:
     """Generate self-distillation data: the model's own answers to dataset prompts (resumable)."""
     from .distill import DistillOptions, distill
@@ -79,7 +82,7 @@ def distill_command(
     opts = DistillOptions(
         model=model, data=data, out=out, max_new_tokens=max_new_tokens, batch_size=batch_size, limit=limit,
         sample=sample, temperature=temperature, top_p=top_p, dtype=dtype, shard_size=shard_size,
-        max_prompt_tokens=max_prompt_tokens, seed=seed, engine=engine,
+        max_prompt_tokens=max_prompt_tokens, seed=seed, engine=engine, pack=pack,
     )  # fmt: skip
     try:
         distill(opts)

@@ -51,6 +51,7 @@ class DistillOptions:
     max_prompt_tokens: int = 512
     seed: int = 0
     engine: str = "batched"  # batched: continuous batching (mtp.batching) | generate: left-padded generate()
+    pack: bool = True  # batched engine: decode from prepacked weights where this CPU can (mtp.packed)
 
 
 # ---- prompts ----------------------------------------------------------------------------------------------
@@ -231,9 +232,14 @@ def generate_continuous(
     """
     from mtp.batching import BatchDecoder
     from mtp.model import MTPModel
+    from mtp.packed import can_pack
 
     # the engine drives an MTPModel; its one Medusa head (a d x d block, the projection shared) is never run
-    engine = BatchDecoder(MTPModel.from_base(model, num_heads=1), max_batch_size=opts.batch_size, guard=False)
+    mtp_model = MTPModel.from_base(model, num_heads=1)
+    if opts.pack and can_pack(model):
+        # fp32, 2 AVX2 cores, 64 rows: the forward's matmuls ~130 ms from packed weights against ~157 ms
+        mtp_model.pack_decoding()
+    engine = BatchDecoder(mtp_model, max_batch_size=opts.batch_size, guard=False)
     kwargs = _sampling_kwargs(opts)
     ids: dict[int, int] = {}
     for i, prompt in prompts.items():
