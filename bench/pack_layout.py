@@ -2,8 +2,10 @@
 
     python -m mtp.bench.pack_layout --heads eagle --hints 1,16 --n 8 --max-new-tokens 128
 
-`mtp.packed.PackedLinear` lays each weight out for a row count (`BATCH_HINT`). This loads the default model
-with the given heads once per hint, packs each copy with that hint, and times, per prompt and in turn: plain
+`mtp.packed.PackedLinear` lays each weight out for a row count (`BATCH_HINT`). First the matmuls alone: every
+linear layer of the base, in forward order, per layout and row count (`--rows`; the median of 9 passes, each
+reading all the weights from memory as a forward does). Then decoding: this loads the default model with the
+given heads once per hint, packs each copy with that hint, and times, per prompt and in turn: plain
 `generate()` (the model's own weights: the reference), then for every hint one-token decoding
 (`speculative=False`) and speculative decoding from that copy. The machine's speed drifts, so every method
 runs on every prompt within seconds of the others and only ratios to plain `generate()` are reported. Each
@@ -36,6 +38,31 @@ def _load(heads: str, dtype: torch.dtype, hint: int):
     return model, tokenizer
 
 
+def time_linears(base: torch.nn.Module, hints: list[int], rows: list[int], reps: int = 9) -> None:
+    """Milliseconds for one pass over every linear layer of `base` (forward order) per layout and row count."""
+    weights = [m.weight.detach() for m in base.modules() if isinstance(m, torch.nn.Linear)]
+    packed = {h: [torch.ops.mkldnn._reorder_linear_weight(w, h) for w in weights] for h in hints}
+    print(f"{len(weights)} linear layers, ms per pass over all of them (median of {reps}):")
+    with torch.inference_mode():
+        for n in rows:
+            xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights}
+            cells = []
+            for h in hints:
+
+                def one_pass(layout=packed[h], xs=xs) -> None:
+                    for w, p in zip(weights, layout, strict=True):
+                        torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+                one_pass()
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    one_pass()
+                    times.append(time.perf_counter() - t0)
+                cells.append(f"hint {h}: {1e3 * statistics.median(times):6.1f}")
+            print(f"  {n:3d} rows  " + "  ".join(cells), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from mtp.bench.heldout import heldout_prompts
 
@@ -46,12 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,2,4,8,16,64", help="row counts for the matmul table ('' skips it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     hints = [int(h) for h in args.hints.split(",")]
     models = {h: _load(args.heads, dtype, h) for h in hints}
     model0, tokenizer = models[hints[0]]
+    if args.rows:
+        time_linears(model0.base_model, hints, [int(r) for r in args.rows.split(",")])
     chat, code = heldout_prompts("chat", args.n), heldout_prompts("code", args.n)
     prompts = [p for pair in zip(chat, code, strict=True) for p in pair]
 
