@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest.mock import patch
 
 import torch
 
@@ -27,31 +28,29 @@ def _load(heads: str, dtype: torch.dtype, hint: int):
     from mtp import packed
     from mtp.default_model import load_default_mtp
 
-    saved = dict(packed.BATCH_HINT)
-    packed.BATCH_HINT[dtype] = hint
-    try:
+    with patch.dict(packed.BATCH_HINT, {dtype: hint}):
         model, tokenizer, _ = load_default_mtp(dtype, heads)
         model.pack_decoding()
-    finally:
-        packed.BATCH_HINT.clear()
-        packed.BATCH_HINT.update(saved)
     return model, tokenizer
 
 
-def time_linears(base: torch.nn.Module, hints: list[int], rows: list[int], reps: int = 9) -> None:
-    """Milliseconds for one pass over every linear layer of `base` (forward order) per layout and row count."""
-    weights = [m.weight.detach() for m in base.modules() if isinstance(m, torch.nn.Linear)]
-    packed = {h: [torch.ops.mkldnn._reorder_linear_weight(w, h) for w in weights] for h in hints}
-    print(f"{len(weights)} linear layers, ms per pass over all of them (median of {reps}):")
+def time_linears(bases: dict[int, torch.nn.Module], rows: list[int], reps: int = 9) -> None:
+    """Milliseconds for one pass over every packed linear layer of each base (forward order), per hint and row
+    count."""
+    from mtp.packed import PackedLinear
+
+    layers = {h: [m for m in base.modules() if isinstance(m, PackedLinear)] for h, base in bases.items()}
+    first = next(iter(layers.values()))
+    print(f"{len(first)} linear layers, ms per pass over all of them (median of {reps}):")
     with torch.inference_mode():
         for n in rows:
-            xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights}
+            xs = {m.in_features: torch.randn(n, m.in_features, dtype=m.weight.dtype) for m in first}
             cells = []
-            for h in hints:
+            for h, layout in layers.items():
 
-                def one_pass(layout=packed[h], xs=xs) -> None:
-                    for w, p in zip(weights, layout, strict=True):
-                        torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                def one_pass(layout=layout, xs=xs) -> None:
+                    for m in layout:
+                        m(xs[m.in_features])
 
                 one_pass()
                 times = []
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     models = {h: _load(args.heads, dtype, h) for h in hints}
     model0, tokenizer = models[hints[0]]
     if args.rows:
-        time_linears(model0.base_model, hints, [int(r) for r in args.rows.split(",")])
+        time_linears({h: m.decoding_base for h, (m, _) in models.items()}, [int(r) for r in args.rows.split(",")])
     chat, code = heldout_prompts("chat", args.n), heldout_prompts("code", args.n)
     prompts = [p for pair in zip(chat, code, strict=True) for p in pair]
 

@@ -231,14 +231,13 @@ def generate_continuous(
     same answer whatever else shares its batch.
     """
     from mtp.batching import BatchDecoder
+    from mtp.cli import _pack_decoding
     from mtp.model import MTPModel
-    from mtp.packed import can_pack
 
     # the engine drives an MTPModel; its one Medusa head (a d x d block, the projection shared) is never run
     mtp_model = MTPModel.from_base(model, num_heads=1)
-    if opts.pack and can_pack(model):
-        # fp32, 2 AVX2 cores, 64 rows: the forward's matmuls ~130 ms from packed weights against ~157 ms
-        mtp_model.pack_decoding()
+    # fp32, 2 AVX2 cores, 64 rows: the forward's matmuls ~130 ms from packed weights against ~157 ms
+    _pack_decoding(mtp_model, opts.pack)
     engine = BatchDecoder(mtp_model, max_batch_size=opts.batch_size, guard=False)
     kwargs = _sampling_kwargs(opts)
     ids: dict[int, int] = {}
