@@ -14,15 +14,20 @@ is a rename-free copy):
     r     = g_t + attn(x);  o_t = r + mlp(post_attention_layernorm(r))      (o_t: "prenorm" output)
     logits over the draft vocabulary = lm_head(norm(o_t))  ->  guesses x_{t+2}
 
-The next depth takes o_t in place of g (and the drafted token in place of x_{t+2}) at position t+1, and so
-on. The attention of every entry sees the real-feature entries of the context and the entries of its own
+A drafter of `num_layers` > 1 stacks plain Llama decoder layers (`EagleBlock`) on o_t before the head (and
+before o_t is fed back): more of the base's computation to imitate per depth, at one more small layer per
+drafted depth. The next depth takes o_t in place of g (and the drafted token in place of x_{t+2}) at position
+t+1, and so on. The attention of every entry sees the real-feature entries of the context and the entries of its own
 draft path (a tree mask at inference, EAGLE-3's "training-time test" mask in training: `unroll`).
 
 Initialisation (no EAGLE checkpoint can be downloaded, and a CPU budget trains for minutes, not days): the
 layer is a copy of the base's layer `l_3`, `fc` selects h^{l_3}, the embedding half of q/k/v is zero,
 `hidden_norm` takes that layer's input norm, `norm` the base's final norm and `lm_head` the base lm_head's
 rows of the draft vocabulary. A fresh drafter thus runs one more base layer on h^{l_3}: a rough
-next-token guess that training turns into a guess of the token after, instead of noise.
+next-token guess that training turns into a guess of the token after, instead of noise. Stacked layers are
+copies of the following base layers with their output projections (`o_proj`, `down_proj`) zeroed, so they
+start as the identity: a deeper drafter warm-started from a trained shallower one (`drafter_trainer
+--init-from`) begins with exactly its drafts and only adds what training finds.
 """
 
 from __future__ import annotations
@@ -97,7 +102,64 @@ class EagleLayer(nn.Module):
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
-def drafter_config(base_model: nn.Module) -> Any:
+class EagleBlock(nn.Module):
+    """A plain Llama decoder layer stacked after `EagleLayer` in drafters of `num_layers` > 1."""
+
+    def __init__(self, config: Any, layer_idx: int):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+
+        d = config.hidden_size
+        self.self_attn = LlamaAttention(config, layer_idx=layer_idx)  # its own slot in the drafter's cache
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = _rms(d, config.rms_norm_eps)
+        self.post_attention_layernorm = _rms(d, config.rms_norm_eps)
+        params = inspect.signature(LlamaAttention.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: Any = None,
+    ) -> torch.Tensor:
+        kwargs = {self._cache_kwarg: cache} if cache is not None else {}
+        attn, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden),
+            position_embeddings=position_embeddings,
+            attention_mask=mask,
+            **kwargs,
+        )
+        r = hidden + attn
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+def _ttt_attention(
+    attn: nn.Module,
+    x: torch.Tensor,
+    pe: tuple[torch.Tensor, torch.Tensor],
+    keys: list[tuple[torch.Tensor, torch.Tensor]],
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """One depth of a layer's attention in the training-time test: this depth's keys/values join `keys` (every
+    earlier depth's), and `mask` says which of them each entry sees. Returns the o_proj output."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    B, T, _ = x.shape
+    hd = attn.head_dim
+    q = attn.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *pe)
+    keys.append((k, v))
+    K = torch.cat([kk for kk, _ in keys], dim=2)
+    V = torch.cat([vv for _, vv in keys], dim=2)
+    out = torch.nn.functional.scaled_dot_product_attention(q, K, V.to(q.dtype), attn_mask=mask, enable_gqa=True)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def drafter_config(base_model: nn.Module, num_layers: int = 1) -> Any:
     """A Llama config with the base's widths (the drafter layer is Llama-style whatever the base is)."""
     from transformers import LlamaConfig
 
@@ -116,7 +178,7 @@ def drafter_config(base_model: nn.Module) -> Any:
         num_key_value_heads=kv,
         head_dim=head_dim,
         rms_norm_eps=eps,
-        num_hidden_layers=1,
+        num_hidden_layers=num_layers,
         vocab_size=describe(base_model).vocab_size,
         max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
         hidden_act="silu",
@@ -133,6 +195,7 @@ class EagleDrafter(nn.Module):
     """EAGLE-3-style drafter (see module docstring). `num_heads` = the deepest draft it is trained/used for.
 
     feature_layers: the base layers whose inputs are fused (default `default_feature_layers`).
+    num_layers: decoder layers per depth: `EagleLayer` (EAGLE-3's one), then `num_layers - 1` `EagleBlock`s.
     draft_vocab_size: size of its own vocabulary projection; the ids are the buffer `draft_ids`
     (draft index -> base token id), set by `set_draft_vocab` before training and saved with the weights.
     """
@@ -153,8 +216,8 @@ class EagleDrafter(nn.Module):
         super().__init__()
         if base_model is None:
             raise ValueError("the EAGLE drafter reads the base's embeddings: build it with base_model=")
-        if num_layers != 1:
-            raise ValueError(f"the EAGLE drafter has exactly one layer (EAGLE-3), got num_layers={num_layers}")
+        if num_layers < 1:
+            raise ValueError(f"the EAGLE drafter needs at least one layer, got num_layers={num_layers}")
         info = describe(base_model)
         if (hidden_size, vocab_size) != (info.hidden_size, info.vocab_size):
             raise ValueError(
@@ -166,12 +229,13 @@ class EagleDrafter(nn.Module):
         if not all(0 <= i <= len(layers) for i in self.feature_layers):
             raise ValueError(f"feature_layers {self.feature_layers} outside 0..{len(layers)}")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
-        self.num_heads, self.num_layers, self.own_lm_head = num_heads, 1, False
+        self.num_heads, self.num_layers, self.own_lm_head = num_heads, int(num_layers), False
         self.draft_vocab_size = int(draft_vocab_size or vocab_size)
-        self.config = drafter_config(base_model)
+        self.config = drafter_config(base_model, self.num_layers)
         d, n = hidden_size, len(self.feature_layers)
         self.fc = nn.Linear(n * d, d, bias=False)
         self.midlayer = EagleLayer(self.config)
+        self.extra_layers = nn.ModuleList(EagleBlock(self.config, i) for i in range(1, self.num_layers))
         self.norm = _rms(d, self.config.rms_norm_eps)
         self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
         self.register_buffer("draft_ids", torch.arange(self.draft_vocab_size, dtype=torch.long))
@@ -233,10 +297,40 @@ class EagleDrafter(nn.Module):
                 self.midlayer.mlp.down_proj,
             ):
                 nn.init.normal_(module.weight, std=0.02)
+        for i, block in enumerate(self.extra_layers, start=1):
+            self._init_block(block, dict(layers[min(src_idx + i, len(layers) - 1)].named_parameters()))
         base_norm = _final_norm(base_model, d, layers)
         if base_norm is not None and getattr(base_norm, "weight", None) is not None:
             self.norm.weight.copy_(base_norm.weight.float())
         self.set_draft_vocab(self.draft_ids, base_model)
+
+    @staticmethod
+    @torch.no_grad()
+    def _init_block(block: EagleBlock, src: dict[str, torch.Tensor]) -> None:
+        """A base layer's weights where the shapes fit (small random ones elsewhere), output projections zero:
+        the block starts as the identity on the residual stream (see the module docstring)."""
+        a = block.self_attn
+        for name, module in (
+            ("self_attn.q_proj", a.q_proj),
+            ("self_attn.k_proj", a.k_proj),
+            ("self_attn.v_proj", a.v_proj),
+            ("mlp.gate_proj", block.mlp.gate_proj),
+            ("mlp.up_proj", block.mlp.up_proj),
+        ):
+            w = src.get(f"{name}.weight")
+            if w is not None and w.shape == module.weight.shape:
+                module.weight.copy_(w.float())
+            else:
+                nn.init.normal_(module.weight, std=0.02)
+        for norm, name in (
+            (block.input_layernorm, "input_layernorm"),
+            (block.post_attention_layernorm, "post_attention_layernorm"),
+        ):
+            w = src.get(f"{name}.weight")
+            if w is not None and w.shape == norm.weight.shape:
+                norm.weight.copy_(w.float())
+        a.o_proj.weight.zero_()
+        block.mlp.down_proj.weight.zero_()
 
     @torch.no_grad()
     def set_draft_vocab(self, ids: torch.Tensor | list[int], base_model: nn.Module | None = None) -> None:
@@ -262,7 +356,10 @@ class EagleDrafter(nn.Module):
         module._check_draft_ids(module.draft_ids)
 
     def config_kwargs(self) -> dict[str, Any]:
-        return {"feature_layers": list(self.feature_layers), "draft_vocab_size": self.draft_vocab_size}
+        kwargs = {"feature_layers": list(self.feature_layers), "draft_vocab_size": self.draft_vocab_size}
+        if self.num_layers != 1:  # one-layer checkpoints keep the config they always had
+            kwargs["num_layers"] = self.num_layers
+        return kwargs
 
     def make_proposer(self, base_model: nn.Module, lm_head: nn.Module | None = None):
         """`lm_head` is ignored: the drafter projects with its own draft-vocabulary lm_head."""
@@ -289,7 +386,10 @@ class EagleDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         emb = self._shared.embed(tokens).to(dtype)
         pe = self._rotary(emb, positions)
-        return self.midlayer(emb, hidden.to(dtype), pe, mask, cache)
+        out = self.midlayer(emb, hidden.to(dtype), pe, mask, cache)
+        for block in self.extra_layers:
+            out = block(out, pe, mask, cache)
+        return out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (.., Dv) of prenorm outputs."""
@@ -305,8 +405,6 @@ class EagleDrafter(nn.Module):
         depth-0 entries at positions <= t and to its own chain (j' <= j at the same t), and guesses
         x_{t+j+2}. Returns [(B, T, Dv)] per depth; entries whose token lies beyond T are padding.
         """
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         B, T, _ = aux.shape
         device = aux.device
         h = self.combine(aux)
@@ -315,30 +413,21 @@ class EagleDrafter(nn.Module):
         # block and the j diagonal scores by hand instead measured no faster than SDPA on this mask.)
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
         diag = torch.eye(T, dtype=torch.bool, device=device)
-        keys: list[tuple[torch.Tensor, torch.Tensor]] = []
-        a = self.midlayer.self_attn
+        keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(self.num_layers)]
+        first = self.midlayer
         out: list[torch.Tensor] = []
         pos0 = torch.arange(T, device=device)[None]
         for j in range(steps):
             tokens = ids[:, j + 1 : j + 1 + T]
             emb = self._shared.embed(tokens).to(h.dtype)
             pe = self._rotary(emb, pos0 + j)
-            x = torch.cat([self.midlayer.input_layernorm(emb), self.midlayer.hidden_norm(h)], dim=-1)
-            hd = a.head_dim
-            q = a.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
-            k = a.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
-            v = a.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, *pe)
-            keys.append((k, v))
-            K = torch.cat([kk for kk, _ in keys], dim=2)
-            V = torch.cat([vv for _, vv in keys], dim=2)
             mask = torch.cat([causal] + [diag] * j, dim=1)[None, None]
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                q, K, V.to(q.dtype), attn_mask=mask, enable_gqa=True
-            )
-            attn = a.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-            r = h + attn
-            h = r + self.midlayer.mlp(self.midlayer.post_attention_layernorm(r))
+            x = torch.cat([first.input_layernorm(emb), first.hidden_norm(h)], dim=-1)
+            r = h + _ttt_attention(first.self_attn, x, pe, keys[0], mask)
+            h = r + first.mlp(first.post_attention_layernorm(r))
+            for i, block in enumerate(self.extra_layers, start=1):
+                r = h + _ttt_attention(block.self_attn, block.input_layernorm(h), pe, keys[i], mask)
+                h = r + block.mlp(block.post_attention_layernorm(r))
             out.append(self.logits(h))
         return out
 

@@ -18,7 +18,8 @@ scratch on the concatenated path (tests/test_eagle.py). All nodes of one depth g
 the speculative entries are cropped off the cache again.
 
 Only nodes with children get an entry (a leaf's output would draft nothing), so a tree of depth D costs
-D forwards of the one layer: the pending entries, then the inner nodes of depth 1, .., D-1.
+D forwards of the drafter (its one layer, or each of its `num_layers`): the pending entries, then the inner
+nodes of depth 1, .., D-1.
 """
 
 from __future__ import annotations

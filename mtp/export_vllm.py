@@ -429,6 +429,11 @@ def _export_eagle(model: nn.Module, out: Path, dtype: torch.dtype, num_heads: in
             f"cannot export an EAGLE drafter on a {kind!r} base to vLLM: vLLM 0.32 feeds EAGLE-3 drafters only "
             f"from targets with its SupportsEagle3 interface; bases known to work: {_EAGLE3_TARGETS}"
         )
+    if model.heads.num_layers != 1:
+        raise ValueError(
+            f"cannot export a {model.heads.num_layers}-layer EAGLE drafter to vLLM: its eagle3 checkpoint format holds "
+            "one draft layer (`midlayer`)"
+        )
     config = eagle3_config(model, num_heads, dtype, verifier=str(out.resolve()))  # refuses unmappable layers
     _write_base(model, out, dtype)
     draft = out / EAGLE3_DIR

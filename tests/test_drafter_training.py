@@ -209,6 +209,31 @@ def test_init_from_warm_starts_a_new_run(tmp_path, features):
     assert again["heldout"]["top1"] == pytest.approx(kept["heldout"]["top1"], abs=1e-6)
 
 
+def test_a_deeper_drafter_grows_from_a_shallower_one(tmp_path, features):
+    """--num-layers 2 --init-from a 1-layer run: the stacked layer starts as the identity, so the new run's
+    step-0 evaluation is the source's final one; training then changes that layer, and its export reloads as a
+    2-layer drafter. Resuming it with another layer count, or growing a shallower one from it, is refused."""
+    model, feats, _ = features
+    first = tmp_path / "first"
+    train_drafter(_opts(model, feats, first, max_steps=30, eval_every=30, save_every=30))
+    trained = json.loads((first / "result.json").read_text())["heldout"]["top1"]
+    deep = tmp_path / "deep"
+    res = train_drafter(_opts(model, feats, deep, num_layers=2, init_from=first / "checkpoint-30", max_steps=20,
+                              eval_every=20, save_every=10))  # fmt: skip
+    assert res["untrained"]["top1"] == pytest.approx(trained, abs=1e-4)
+    assert res["heldout"]["top1"][0] >= trained[0] - 0.02  # training from there does not lose what it had
+    w = load_file(str(deep / "checkpoint-20" / "drafter.safetensors"))
+    assert w["extra_layers.0.self_attn.o_proj.weight"].abs().max() > 0  # the stacked layer learned
+    from mtp import MTPModel
+
+    exported = MTPModel.from_pretrained(deep / "drafter")
+    assert exported.heads.num_layers == 2 and exported.config.head_kwargs["num_layers"] == 2
+    with pytest.raises(ValueError, match="holds a 2-layer drafter, this run builds 1"):
+        train_drafter(_opts(model, feats, deep, max_steps=30))
+    with pytest.raises(ValueError, match="more layers than this one"):
+        train_drafter(_opts(model, feats, tmp_path / "shallow", init_from=deep / "checkpoint-20", max_steps=1))
+
+
 def test_conditional_rank_probabilities_follow_the_draft_chain(tmp_path, features):
     """cond_rank_probs counts depth j only where depths < j drafted the teacher's token (which the text then
     continues with), checked against a loop over positions; the export hands them to the tree builder."""

@@ -85,12 +85,14 @@ def fit(model: MTPModel, seqs: list[torch.Tensor], steps: int, lr: float) -> MTP
 _FITTED: dict[str, tuple] = {}
 
 
-def fitted(arch: str):
+def fitted(name: str):
     """(model, prompts, reference sequences): a 6-depth drafter fitted on 4 greedy continuations; cached.
 
-    Mistral and GPT-2 get a restricted draft vocabulary (the tokens of the references plus random others, in
-    shuffled order), so the draft-index -> token-id mapping is on the path of every test that uses them."""
-    if arch not in _FITTED:
+    `name` is an architecture, or "arch:N" for a drafter of N layers (`num_layers`). Mistral and GPT-2 get a
+    restricted draft vocabulary (the tokens of the references plus random others, in shuffled order), so the
+    draft-index -> token-id mapping is on the path of every test that uses them."""
+    if name not in _FITTED:
+        arch, _, layers = name.partition(":")
         base = tiny_model(arch, seed=1, **OVERRIDES.get(arch, {}))
         base.generation_config.eos_token_id = None
         g = torch.Generator().manual_seed(123)
@@ -103,15 +105,15 @@ def fitted(arch: str):
             rest = torch.tensor([t for t in torch.randperm(VOCAB, generator=g).tolist() if t not in seen])
             ids = torch.cat([used, rest[: 200 - used.numel()]])
             ids = ids[torch.randperm(ids.numel(), generator=g)]
-        model = eagle_model(base, draft_ids=ids, feature_layers=FEATURES[arch])
-        _FITTED[arch] = (fit(model, seqs, steps=20, lr=2e-2), prompts, seqs)
-    return _FITTED[arch]
+        model = eagle_model(base, draft_ids=ids, feature_layers=FEATURES[arch], num_layers=int(layers or 1))
+        _FITTED[name] = (fit(model, seqs, steps=20, lr=2e-2), prompts, seqs)
+    return _FITTED[name]
 
 
 # ---- exactness ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2", "llama:2"])
 def test_greedy_output_matches_generate_and_drafts_are_accepted(arch):
     model, prompts, seqs = fitted(arch)
     taus = {"chain": [], "wide": [], "auto": []}
@@ -144,15 +146,17 @@ def test_greedy_output_matches_generate_and_drafts_are_accepted(arch):
 # ---- the drafter: cache reuse equals recomputation ------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_proposer_drafts_equal_drafts_from_scratch(arch):
+@pytest.mark.parametrize("arch,layers", [("llama", 1), ("gpt2", 1), ("llama", 2)])
+def test_proposer_drafts_equal_drafts_from_scratch(arch, layers):
     """Steps with changing trees (wider, deeper and shallower than before), random acceptance lengths, steps
     that draft nothing, a long stretch without drafting (pending features folded through `fc`); every inner
-    node's logits against `unroll` on the concatenated path."""
+    node's logits against `unroll` on the concatenated path. With 2 layers (perturbed, so the stacked one is
+    no identity) the cache holds each layer's keys and the training-time test unrolls both."""
     base = tiny_model(arch, seed=2)
     g = torch.Generator().manual_seed(3)
     ids = torch.randperm(VOCAB, generator=g)[:180]  # a shuffled draft vocabulary of 180 of the 256 tokens
-    model = perturb(eagle_model(base, num_heads=5, draft_ids=ids, feature_layers=(0, 1, 2)), seed=3)
+    model = eagle_model(base, num_heads=5, draft_ids=ids, feature_layers=(0, 1, 2), num_layers=layers)
+    model = perturb(model, seed=3)
     drafter = model.heads
     seq = torch.randint(3, VOCAB, (1, 160), generator=g)
     with torch.no_grad():
@@ -286,16 +290,20 @@ def test_sampled_drafts_return_per_parent_q_over_the_full_vocabulary(peaked_eagl
 # ---- checkpoints and the command line -----------------------------------------------------------------------
 
 
-def test_save_load_round_trips(tmp_path):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_save_load_round_trips(tmp_path, layers):
     base = tiny_model("gpt2", seed=11)
     g = torch.Generator().manual_seed(11)
     draft_ids = torch.randperm(VOCAB, generator=g)[:150]
-    model = perturb(eagle_model(base, num_heads=4, draft_ids=draft_ids, feature_layers=(0, 2)), seed=11, scale=0.02)
+    model = eagle_model(base, num_heads=4, draft_ids=draft_ids, feature_layers=(0, 2), num_layers=layers)
+    model = perturb(model, seed=11, scale=0.02)
     full, heads_dir, base_dir = tmp_path / "full", tmp_path / "heads", tmp_path / "base"
     model.save_pretrained(full)
     cfg = json.loads((full / CONFIG_NAME).read_text())
     assert cfg["head_type"] == "eagle" and cfg["num_heads"] == 4
-    assert cfg["head_kwargs"] == {"feature_layers": [0, 2], "draft_vocab_size": 150}
+    # one-layer checkpoints keep the config they always had
+    expected = {"feature_layers": [0, 2], "draft_vocab_size": 150} | ({"num_layers": 2} if layers == 2 else {})
+    assert cfg["head_kwargs"] == expected
     model.base_model.save_pretrained(base_dir)
     model.config.base_model_name_or_path = str(base_dir)
     model.save_pretrained(heads_dir, heads_only=True)
@@ -304,6 +312,7 @@ def test_save_load_round_trips(tmp_path):
     for directory in (full, heads_dir):
         loaded = MTPModel.from_pretrained(directory)
         assert isinstance(loaded.heads, EagleDrafter) and loaded.heads.feature_layers == (0, 2)
+        assert loaded.heads.num_layers == layers
         assert torch.equal(loaded.heads.draft_ids, draft_ids)
         sd_a, sd_b = model.heads.state_dict(), loaded.heads.state_dict()
         assert sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
@@ -352,10 +361,11 @@ def test_mtp_generate_command_on_an_eagle_checkpoint(tmp_path):
 # ---- continuous batching ------------------------------------------------------------------------------------
 
 
-def test_batch_decoder_rows_match_their_own_generate():
+@pytest.mark.parametrize("name", ["llama", "llama:2"])
+def test_batch_decoder_rows_match_their_own_generate(name):
     """Eagle rows in the batched engine (the decoder-only forward, asked for the inner layers' states): rows of
     different lengths joining mid-run, a plain row beside them, a long prompt prefilled in chunks."""
-    model, prompts, _ = fitted("llama")
+    model, prompts, _ = fitted(name)
     train = [p[0].tolist() for p in prompts]
     long = torch.randint(3, VOCAB, (21,), generator=torch.Generator().manual_seed(9)).tolist()
     all_prompts = train + [long, train[2]]
@@ -381,8 +391,8 @@ def test_bad_construction_is_a_clear_error(tmp_path):
     kw = dict(vocab_size=VOCAB, num_heads=3)
     with pytest.raises(ValueError, match="hidden size 32 / vocab 256 cannot run on this base"):
         build_heads("eagle", base_model=base, hidden_size=32, **kw)
-    with pytest.raises(ValueError, match="exactly one layer"):
-        build_heads("eagle", base_model=base, hidden_size=64, num_layers=2, **kw)
+    with pytest.raises(ValueError, match="at least one layer"):
+        build_heads("eagle", base_model=base, hidden_size=64, num_layers=0, **kw)
     with pytest.raises(ValueError, match="base_model="):
         build_heads("eagle", hidden_size=64, **kw)
     with pytest.raises(ValueError, match=r"feature_layers \(0, 5\) outside 0..2"):

@@ -481,6 +481,12 @@ def test_eagle_export_bf16_and_refusals(tmp_path):
         export_vllm(gpt2, tmp_path / "c")
     with pytest.raises(ValueError, match="num_heads"):
         export_vllm(_eagle_model(), tmp_path / "d", num_heads=4)
+    deep = MTPModel.from_base(
+        tiny_model("llama", seed=5, num_hidden_layers=4), num_heads=3, head_type="eagle", num_layers=2
+    )
+    with pytest.raises(ValueError, match="2-layer EAGLE drafter"):  # eagle3's format holds one `midlayer`
+        export_vllm(deep, tmp_path / "e")
+    assert not any((tmp_path / "e").iterdir())  # refused before anything is written
 
 
 # ---- what cannot map -----------------------------------------------------------------------------------

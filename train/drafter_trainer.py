@@ -48,6 +48,7 @@ class DrafterOptions:
     out: Path = Path("runs/eagle")
     model: str = "default"
     num_heads: int = 6  # deepest draft the exported drafter offers the tree builder
+    num_layers: int = 1  # decoder layers per depth (EAGLE-3: 1); --init-from a shallower drafter grows it
     steps: int = 5  # training-time-test depth
     decay: float = 0.8
     lr: float = 5e-4
@@ -213,18 +214,27 @@ def _drafter_weights(source: Path) -> dict[str, torch.Tensor]:
 
 def _init_from(drafter: Any, weights: dict[str, torch.Tensor], source: Path) -> None:
     """Load an earlier drafter's weights; refuse a different layout. The drafter was built over the source's
-    draft vocabulary (`train_drafter`), so its projection rows keep meaning the same tokens."""
+    draft vocabulary (`train_drafter`), so its projection rows keep meaning the same tokens.
+
+    A source with fewer layers grows: its layers load, the stacked ones it lacks keep their identity start
+    (`EagleDrafter`'s zeroed output projections), so the run begins with exactly the source's drafts."""
     own = drafter.state_dict()
+    deeper = sorted(k for k in weights if k.startswith("extra_layers.") and k not in own)
+    if deeper:
+        raise ValueError(f"--init-from {source}: a drafter with more layers than this one ({deeper[0]})")
     weights = {k: v for k, v in weights.items() if k in own}
     missing = sorted(set(own) - set(weights))
+    grown = sorted({k.split(".")[1] for k in missing if k.startswith("extra_layers.")})
+    missing = [k for k in missing if not k.startswith("extra_layers.")]
     if missing:
         raise ValueError(f"--init-from {source}: not an EAGLE drafter of this layout (missing {missing[:3]})")
     for k, v in weights.items():
         if v.shape != own[k].shape:
             shapes = f"{tuple(v.shape)} there, {tuple(own[k].shape)} here"
             raise ValueError(f"--init-from {source}: {k} has shape {shapes}")
-    drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
-    print(f"initialised from {source}")
+    drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()}, strict=False)
+    note = f" (stacked layers {', '.join(str(int(i) + 2) for i in grown)} start as the identity)" if grown else ""
+    print(f"initialised from {source}{note}")
 
 
 def _latest(out: Path) -> Path | None:
@@ -317,6 +327,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         hidden_size=base.config.hidden_size,
         vocab_size=base.config.vocab_size,
         num_heads=opts.num_heads,
+        num_layers=opts.num_layers,
         feature_layers=info["feature_layers"],
         draft_vocab_size=int(vocab.numel()),
     )
@@ -333,6 +344,12 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     if ckpt is None and earlier is not None:
         _init_from(drafter, earlier, source)
     if ckpt is not None:
+        if set(earlier) != set(drafter.state_dict()):
+            layers = 1 + len({k.split(".")[1] for k in earlier if k.startswith("extra_layers.")})
+            raise ValueError(
+                f"{ckpt} holds a {layers}-layer drafter, this run builds {opts.num_layers} (--num-layers): "
+                "resume with the layout it was trained with, or start a new --out with --init-from"
+            )
         drafter.load_state_dict(earlier)
         state = torch.load(ckpt / "optimizer.pt", weights_only=True)
         optim.load_state_dict(state["optim"])
