@@ -14,11 +14,12 @@ is a rename-free copy):
     r     = g_t + attn(x);  o_t = r + mlp(post_attention_layernorm(r))      (o_t: "prenorm" output)
     logits over the draft vocabulary = lm_head(norm(o_t))  ->  guesses x_{t+2}
 
-A drafter of `num_layers` > 1 stacks plain Llama decoder layers (`EagleBlock`) on o_t before the head (and
-before o_t is fed back): more of the base's computation to imitate per depth, at one more small layer per
-drafted depth. The next depth takes o_t in place of g (and the drafted token in place of x_{t+2}) at position
-t+1, and so on. The attention of every entry sees the real-feature entries of the context and the entries of its own
-draft path (a tree mask at inference, EAGLE-3's "training-time test" mask in training: `unroll`).
+A drafter of `num_layers` > 1 stacks plain Llama decoder layers (transformers' `LlamaDecoderLayer`) on o_t
+before the head (and before o_t is fed back): more of the base's computation to imitate per depth, at one more
+small layer per drafted depth. The next depth takes o_t in place of g (and the drafted token in place of
+x_{t+2}) at position t+1, and so on. The attention of every entry sees the real-feature entries of the context
+and the entries of its own draft path (a tree mask at inference, EAGLE-3's "training-time test" mask in
+training: `unroll`).
 
 Initialisation (no EAGLE checkpoint can be downloaded, and a CPU budget trains for minutes, not days): the
 layer is a copy of the base's layer `l_3`, `fc` selects h^{l_3}, the embedding half of q/k/v is zero,
@@ -59,6 +60,13 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, 
     return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
+def _cache_kwarg() -> str:
+    """The cache keyword of transformers' Llama attention and decoder layer (renamed in transformers 5.2x)."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    return "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
+
+
 def _rms(size: int, eps: float) -> nn.Module:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -82,8 +90,7 @@ class EagleLayer(nn.Module):
         self.input_layernorm = _rms(d, config.rms_norm_eps)
         self.hidden_norm = _rms(d, config.rms_norm_eps)
         self.post_attention_layernorm = _rms(d, config.rms_norm_eps)
-        params = inspect.signature(LlamaAttention.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self._cache_kwarg = _cache_kwarg()
 
     def forward(
         self,
@@ -102,37 +109,17 @@ class EagleLayer(nn.Module):
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
-class EagleBlock(nn.Module):
-    """A plain Llama decoder layer stacked after `EagleLayer` in drafters of `num_layers` > 1."""
-
-    def __init__(self, config: Any, layer_idx: int):
-        super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
-
-        d = config.hidden_size
-        self.self_attn = LlamaAttention(config, layer_idx=layer_idx)  # its own slot in the drafter's cache
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = _rms(d, config.rms_norm_eps)
-        self.post_attention_layernorm = _rms(d, config.rms_norm_eps)
-        params = inspect.signature(LlamaAttention.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: Any = None,
-    ) -> torch.Tensor:
-        kwargs = {self._cache_kwarg: cache} if cache is not None else {}
-        attn, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden),
-            position_embeddings=position_embeddings,
-            attention_mask=mask,
-            **kwargs,
-        )
-        r = hidden + attn
-        return r + self.mlp(self.post_attention_layernorm(r))
+def _copy_fitting(src: dict[str, torch.Tensor], targets: tuple[tuple[str, nn.Module], ...]) -> list[nn.Module]:
+    """Copy the base layer's `src[name + ".weight"]` into each module whose weight has its shape; returns the
+    modules left as they were (another layer layout: GPT-2, ...)."""
+    missed = []
+    for name, module in targets:
+        w = src.get(f"{name}.weight")
+        if w is not None and w.shape == module.weight.shape:
+            module.weight.copy_(w.float())
+        else:
+            missed.append(module)
+    return missed
 
 
 def _ttt_attention(
@@ -195,7 +182,7 @@ class EagleDrafter(nn.Module):
     """EAGLE-3-style drafter (see module docstring). `num_heads` = the deepest draft it is trained/used for.
 
     feature_layers: the base layers whose inputs are fused (default `default_feature_layers`).
-    num_layers: decoder layers per depth: `EagleLayer` (EAGLE-3's one), then `num_layers - 1` `EagleBlock`s.
+    num_layers: decoder layers per depth: `EagleLayer` (EAGLE-3's one), then `num_layers - 1` `LlamaDecoderLayer`s.
     draft_vocab_size: size of its own vocabulary projection; the ids are the buffer `draft_ids`
     (draft index -> base token id), set by `set_draft_vocab` before training and saved with the weights.
     """
@@ -235,7 +222,10 @@ class EagleDrafter(nn.Module):
         d, n = hidden_size, len(self.feature_layers)
         self.fc = nn.Linear(n * d, d, bias=False)
         self.midlayer = EagleLayer(self.config)
-        self.extra_layers = nn.ModuleList(EagleBlock(self.config, i) for i in range(1, self.num_layers))
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        # layer_idx i: each stacked layer's attention keeps its own slot in the drafter's cache
+        self.extra_layers = nn.ModuleList(LlamaDecoderLayer(self.config, i) for i in range(1, self.num_layers))
         self.norm = _rms(d, self.config.rms_norm_eps)
         self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
         self.register_buffer("draft_ids", torch.arange(self.draft_vocab_size, dtype=torch.long))
@@ -268,34 +258,26 @@ class EagleDrafter(nn.Module):
                 proj.weight[:, d:] = w.float()
             else:
                 copied = False
-        for name, module in (
-            ("self_attn.o_proj", a.o_proj),
-            ("mlp.gate_proj", self.midlayer.mlp.gate_proj),
-            ("mlp.up_proj", self.midlayer.mlp.up_proj),
-            ("mlp.down_proj", self.midlayer.mlp.down_proj),
+        mlp = self.midlayer.mlp
+        if _copy_fitting(
+            src,
+            (
+                ("self_attn.o_proj", a.o_proj),
+                ("mlp.gate_proj", mlp.gate_proj),
+                ("mlp.up_proj", mlp.up_proj),
+                ("mlp.down_proj", mlp.down_proj),
+            ),
         ):
-            w = src.get(f"{name}.weight")
-            if w is not None and w.shape == module.weight.shape:
-                module.weight.copy_(w.float())
-            else:
-                copied = False
-        for mine, theirs in (
-            (self.midlayer.hidden_norm, "input_layernorm.weight"),
-            (self.midlayer.post_attention_layernorm, "post_attention_layernorm.weight"),
-        ):
-            w = src.get(theirs)
-            if w is not None and w.shape == mine.weight.shape:
-                mine.weight.copy_(w.float())
+            copied = False
+        _copy_fitting(
+            src,
+            (
+                ("input_layernorm", self.midlayer.hidden_norm),
+                ("post_attention_layernorm", self.midlayer.post_attention_layernorm),
+            ),
+        )
         if not copied:  # another layer layout (GPT-2, ...): a small random start, EAGLE's own default
-            for module in (
-                a.q_proj,
-                a.k_proj,
-                a.v_proj,
-                a.o_proj,
-                self.midlayer.mlp.gate_proj,
-                self.midlayer.mlp.up_proj,
-                self.midlayer.mlp.down_proj,
-            ):
+            for module in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 nn.init.normal_(module.weight, std=0.02)
         for i, block in enumerate(self.extra_layers, start=1):
             self._init_block(block, dict(layers[min(src_idx + i, len(layers) - 1)].named_parameters()))
@@ -306,31 +288,27 @@ class EagleDrafter(nn.Module):
 
     @staticmethod
     @torch.no_grad()
-    def _init_block(block: EagleBlock, src: dict[str, torch.Tensor]) -> None:
+    def _init_block(block: nn.Module, src: dict[str, torch.Tensor]) -> None:
         """A base layer's weights where the shapes fit (small random ones elsewhere), output projections zero:
         the block starts as the identity on the residual stream (see the module docstring)."""
-        a = block.self_attn
-        for name, module in (
-            ("self_attn.q_proj", a.q_proj),
-            ("self_attn.k_proj", a.k_proj),
-            ("self_attn.v_proj", a.v_proj),
-            ("mlp.gate_proj", block.mlp.gate_proj),
-            ("mlp.up_proj", block.mlp.up_proj),
+        a, mlp = block.self_attn, block.mlp
+        for module in _copy_fitting(
+            src,
+            (
+                ("self_attn.q_proj", a.q_proj),
+                ("self_attn.k_proj", a.k_proj),
+                ("self_attn.v_proj", a.v_proj),
+                ("mlp.gate_proj", mlp.gate_proj),
+                ("mlp.up_proj", mlp.up_proj),
+            ),
         ):
-            w = src.get(f"{name}.weight")
-            if w is not None and w.shape == module.weight.shape:
-                module.weight.copy_(w.float())
-            else:
-                nn.init.normal_(module.weight, std=0.02)
-        for norm, name in (
-            (block.input_layernorm, "input_layernorm"),
-            (block.post_attention_layernorm, "post_attention_layernorm"),
-        ):
-            w = src.get(f"{name}.weight")
-            if w is not None and w.shape == norm.weight.shape:
-                norm.weight.copy_(w.float())
+            nn.init.normal_(module.weight, std=0.02)
+        _copy_fitting(
+            src,
+            (("input_layernorm", block.input_layernorm), ("post_attention_layernorm", block.post_attention_layernorm)),
+        )
         a.o_proj.weight.zero_()
-        block.mlp.down_proj.weight.zero_()
+        mlp.down_proj.weight.zero_()
 
     @torch.no_grad()
     def set_draft_vocab(self, ids: torch.Tensor | list[int], base_model: nn.Module | None = None) -> None:
@@ -387,8 +365,9 @@ class EagleDrafter(nn.Module):
         emb = self._shared.embed(tokens).to(dtype)
         pe = self._rotary(emb, positions)
         out = self.midlayer(emb, hidden.to(dtype), pe, mask, cache)
+        kwargs = {self.midlayer._cache_kwarg: cache} if cache is not None else {}
         for block in self.extra_layers:
-            out = block(out, pe, mask, cache)
+            out = block(out, attention_mask=mask, position_embeddings=pe, **kwargs)
         return out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
