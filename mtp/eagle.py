@@ -384,6 +384,12 @@ class EagleDrafter(nn.Module):
         depth-0 entries at positions <= t and to its own chain (j' <= j at the same t), and guesses
         x_{t+j+2}. Returns [(B, T, Dv)] per depth; entries whose token lies beyond T are padding.
         """
+        return [self.logits(h) for h in self.unroll_outputs(aux, input_ids, steps)]
+
+    def unroll_outputs(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """`unroll` before the projection: prenorm outputs [(B, T, d)] per depth. Training projects only the
+        entries it scores through `logits`: the draft-vocabulary projection is the largest matmul of a
+        step, and prompt tokens and the padded tail carry no loss."""
         B, T, _ = aux.shape
         device = aux.device
         h = self.combine(aux)
@@ -407,7 +413,7 @@ class EagleDrafter(nn.Module):
             for i, block in enumerate(self.extra_layers, start=1):
                 r = h + _ttt_attention(block.self_attn, block.input_layernorm(h), pe, keys[i], mask)
                 h = r + block.mlp(block.post_attention_layernorm(r))
-            out.append(self.logits(h))
+            out.append(h)
         return out
 
     # ---- the generic head interface ---------------------------------------------------------------

@@ -234,6 +234,56 @@ def test_a_deeper_drafter_grows_from_a_shallower_one(tmp_path, features):
         train_drafter(_opts(model, feats, tmp_path / "shallow", init_from=deep / "checkpoint-20", max_steps=1))
 
 
+def test_training_scores_only_the_entries_that_carry_loss(features, monkeypatch):
+    """A training step projects only the scored entries to the draft vocabulary and computes the teacher only
+    where some depth reads it; its per-depth losses, top-1 counts and gradients equal the plain computation
+    over every position (here with a third of the targets masked out, as prompts are in chat data)."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from mtp.heads import build_heads
+    from mtp.train.drafter_trainer import _batch, depth_losses
+    from mtp.train.features import VOCAB, load_base, load_split
+
+    monkeypatch.setattr("mtp.train.drafter_trainer.autocast", contextlib.nullcontext)  # fp32 on any CPU
+    model, feats, info = features
+    base, _ = load_base(str(model), torch.float32)
+    vocab = torch.tensor(json.loads((feats / VOCAB).read_text()))
+    torch.manual_seed(0)
+    drafter = build_heads("eagle", base_model=base, hidden_size=base.config.hidden_size,
+                          vocab_size=base.config.vocab_size, num_heads=3, feature_layers=info["feature_layers"],
+                          draft_vocab_size=len(vocab))  # fmt: skip
+    drafter.set_draft_vocab(vocab, base)
+    drafter.float().train()
+    teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
+    batch = _batch(load_split(feats / "eval"), [0, 1, 2, 3])
+    keep = torch.rand(batch["loss_mask"].shape, generator=torch.Generator().manual_seed(0)) > 0.33
+    batch["loss_mask"] = batch["loss_mask"] & keep
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    steps = 3
+    losses, acc = depth_losses(drafter, teacher_w, batch, steps)
+    got = torch.autograd.grad(sum(losses), params, allow_unused=True)
+
+    ids, mask, target, final = batch["input_ids"], batch["loss_mask"], batch["target"], batch["final"]
+    T = ids.shape[1]
+    teacher_all = F.softmax(final[:, 1 : T - 1].float() @ teacher_w.T, dim=-1)
+    want_losses = []
+    for j, logits in enumerate(drafter.unroll(batch["aux"].float(), ids, steps)):
+        L = T - j - 2
+        valid = mask[:, j + 2 : j + 2 + L]
+        student = logits[:, :L][valid]
+        want_losses.append(-(teacher_all[:, j : j + L][valid] * F.log_softmax(student, -1)).sum(-1).mean())
+        correct = int((drafter.draft_ids[student.argmax(-1)] == target[:, j + 1 : j + 1 + L][valid]).sum())
+        assert acc[j] == (correct, int(valid.sum())) and 0 < acc[j][1] < valid.numel()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses))
+    want = torch.autograd.grad(sum(want_losses), params, allow_unused=True)
+    for a, b in zip(got, want, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_conditional_rank_probabilities_follow_the_draft_chain(tmp_path, features):
     """cond_rank_probs counts depth j only where depths < j drafted the teacher's token (which the text then
     continues with), checked against a loop over positions; the export hands them to the tree builder."""

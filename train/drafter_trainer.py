@@ -110,36 +110,44 @@ def depth_losses(
     mask, target = batch["loss_mask"], batch["target"]
     B, T = ids.shape
     with autocast():  # bf16 where the CPU multiplies it in hardware; fp32 elsewhere (20x faster there)
-        logits = drafter.unroll(aux.float(), ids, steps)
+        outs = drafter.unroll_outputs(aux.float(), ids, steps)
     losses, acc = [], []
     draft_ids = drafter.draft_ids
+    # Entry (j, t) guesses x_{t+j+2}; the teacher's distribution for it is the base's at position p = t+j+1,
+    # and it is scored iff x_{p+1} carries loss, whatever the depth. So the teacher is computed once, at
+    # the positions some depth scores, and `row` maps p-1 to its row.
+    scored = mask[:, 2:T]
     with torch.no_grad():
-        # the teacher at positions 1..T-2, computed once: every depth reads a shifted window of it
-        teacher_all = F.softmax(final[:, 1 : T - 1].float() @ teacher_w.T, dim=-1)
+        teacher_rows = F.softmax(final[:, 1 : T - 1][scored].float() @ teacher_w.T, dim=-1)
+        row = (scored.reshape(-1).long().cumsum(0) - 1).view(B, T - 2)
     chain = torch.ones(B, T, dtype=torch.bool)  # the chain at t was accepted up to this depth
-    for j, lg in enumerate(logits):
-        # entry (j, t) guesses x_{t+j+2}; the teacher's distribution for it is at position p = t+j+1
+    for j, h in enumerate(outs):
         L = T - j - 2
         if L <= 0:
             break
         valid = mask[:, j + 2 : j + 2 + L]
-        if cond_ranks is not None:
+        if cond_ranks is not None:  # evaluation: the accepted chain needs every position's draft
+            with autocast():
+                lg = drafter.logits(h[:, :L])
+            student = lg[valid].float()
             with torch.no_grad():
                 greedy_all = target[:, j + 1 : j + 1 + L]
                 cond = valid & chain[:, :L]
-                cond_ranks[j] += _rank_histogram(lg[:, :L][cond].float(), greedy_all[cond], draft_ids)
+                cond_ranks[j] += _rank_histogram(lg[cond].float(), greedy_all[cond], draft_ids)
                 # accepted, and the text goes on with that token (so depth j+1 reads what drafting would)
-                ok = (draft_ids[lg[:, :L].argmax(-1)] == greedy_all) & (ids[:, j + 2 : j + 2 + L] == greedy_all)
+                ok = (draft_ids[lg.argmax(-1)] == greedy_all) & (ids[:, j + 2 : j + 2 + L] == greedy_all)
                 nxt = torch.zeros_like(chain)
                 nxt[:, :L] = chain[:, :L] & ok & valid
                 chain = nxt
+        else:  # training: project only the scored entries (the largest matmul of the step)
+            with autocast():
+                student = drafter.logits(h[:, :L][valid]).float()
         if not valid.any():
-            losses.append(lg.sum() * 0.0)
+            losses.append(h.sum() * 0.0)
             acc.append((0, 0))
             continue
-        student = lg[:, :L][valid].float()
         with torch.no_grad():
-            teacher = teacher_all[:, j : j + L][valid]
+            teacher = teacher_rows[row[:, j : j + L][valid]]
             greedy = target[:, j + 1 : j + 1 + L][valid]
             correct = int((draft_ids[student.argmax(-1)] == greedy).sum())
             if ranks is not None:
