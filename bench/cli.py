@@ -18,7 +18,7 @@ import typer
 # `model.generate()` does by default (adaptive tree + lookup).
 DEFAULT_METHODS = "plain,prompt_lookup,assisted,chain,tree,tree_lookup,auto,plain_packed,auto_packed"
 # The compiled ones build their graphs first (minutes on 2 cores, not timed): only on request.
-ALL_METHODS = DEFAULT_METHODS + ",plain_compiled,auto_compiled"
+ALL_METHODS = DEFAULT_METHODS + ",auto_static_packed,plain_compiled,auto_compiled"
 # prompt sets: MT-Bench first turns (--limit), held-out chat and code prompts (--heldout-n, --heldout-source)
 ALL_SETS = "mtbench,heldout-chat,heldout-code"
 
@@ -199,7 +199,7 @@ def _prompt_sets(spec: str, limit: int, heldout_n: int, source: str) -> dict[str
 
 
 # The methods whose speed depends on the head set: another head set (--extra-heads) runs these.
-HEAD_METHODS = ("chain", "tree", "tree_lookup", "auto", "auto_packed", "auto_compiled")
+HEAD_METHODS = ("chain", "tree", "tree_lookup", "auto", "auto_packed", "auto_static_packed", "auto_compiled")
 
 
 def _decoding_methods(mtp_model, wanted: list[str], tree: str) -> dict:
@@ -218,9 +218,12 @@ def _decoding_methods(mtp_model, wanted: list[str], tree: str) -> dict:
             table[name] = ours(mtp_model, _parse_tree(tree), prompt_lookup=name == "tree_lookup")
         elif name == "auto":
             table[name] = ours(mtp_model, None, prompt_lookup=True)
-        elif name in ("plain_packed", "auto_packed"):
+        elif name in ("plain_packed", "auto_packed", "auto_static_packed"):
             packed = packed or _packed(mtp_model)
-            table[name] = ours_one_token(packed) if name == "plain_packed" else ours(packed, None, prompt_lookup=True)
+            if name == "plain_packed":
+                table[name] = ours_one_token(packed)
+            else:  # auto_static_packed: the same policy with static tree shapes (no draft-time trees)
+                table[name] = ours(packed, None if name == "auto_packed" else "auto-static", prompt_lookup=True)
         elif name in ("plain_compiled", "auto_compiled"):
             compiled = compiled or _compiled(mtp_model)
             one = name == "plain_compiled"

@@ -38,6 +38,7 @@ import torch
 from .adaptive import LADDER, AdaptiveDraft
 from .batch_cache import BatchCache
 from .decoding import GreedyStrategy, SamplingStrategy, resolve_stopping
+from .dynamic_tree import DynamicTree
 from .eagle import select_features
 from .kv_cache import new_cache
 from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows
@@ -198,7 +199,9 @@ class BatchDecoder:
         # A fixed tree (`tree=`: a Tree, rank paths, a node count, "default" or "chain"): every speculating row
         # verifies it at every step, whatever the load; None: the load-aware plan.
         self.fixed_tree = None
-        if tree is not None and tree != "auto":
+        if isinstance(tree, DynamicTree):
+            raise ValueError("the batched engine verifies static trees; pass a Tree, a node count or None")
+        if tree is not None and tree not in ("auto", "auto-static"):  # its policy's shapes are static
             self.fixed_tree = resolve_tree(tree, model.config.num_heads, self.default_tree)
         self._cost = cost
         self.cache = BatchCache()

@@ -21,7 +21,7 @@ app = typer.Typer(
 def _parse_tree(tree: str):
     if tree in ("auto", ""):
         return None
-    if tree in ("chain", "default"):
+    if tree in ("chain", "default", "auto-static"):
         return tree
     if tree.isdigit():
         return int(tree)
@@ -65,7 +65,9 @@ def generate(
     model: Path = typer.Option(..., "--model", "-m", help="MTP checkpoint directory (full or heads-only)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (chat-templated if --chat)."),
     max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
-    tree: str = typer.Option("auto", help="auto (adaptive) | default | chain | <node count> | JSON rank paths."),
+    tree: str = typer.Option(
+        "auto", help="auto (adaptive) | auto-static | default | chain | <node count> | JSON rank paths."
+    ),
     chat: bool = typer.Option(True, help="Wrap the prompt in the tokenizer's chat template if it has one."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16."),
     compare: bool = typer.Option(True, help="Also run plain generate() and check the outputs are identical."),

@@ -16,6 +16,7 @@ many of those argmaxes one forward pass gets to confirm.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,12 +28,13 @@ from torch import nn
 
 from .adaptive import AdaptiveDraft
 from .arch import BaseInfo
+from .dynamic_tree import DynamicTree
 from .eagle import select_features
 from .kv_cache import keep_accepted, new_cache
 from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows, lookup_nodes
 from .proposer import Proposer
 from .sampling import SamplingParams, sample, verify_sampled, verify_typical
-from .tree import Tree
+from .tree import Tree, chain
 from .verify import verify_greedy
 
 
@@ -262,19 +264,27 @@ def speculative_generate(
     info: BaseInfo,
     proposer: Proposer,
     input_ids: torch.Tensor,
-    tree: Tree | AdaptiveDraft,
+    tree: Tree | AdaptiveDraft | DynamicTree,
     max_new_tokens: int,
     eos: set[int],
     streamer=None,
     strategy: GreedyStrategy | SamplingStrategy | None = None,
     prompt_lookup: bool = False,
     forward: Callable[..., Any] | None = None,
+    dynamic: DynamicTree | None = None,
 ) -> GenerateOutput:
     """Self-speculative decoding of one sequence (see the module docstring for the steps).
 
     prompt_lookup: graft prompt-lookup drafts onto each step's tree (see mtp.ngram).
-    forward: runs the verify steps in place of `base_model` (see `TreeScorer`)."""
+    forward: runs the verify steps in place of `base_model` (see `TreeScorer`).
+    dynamic: grow each step's tree at draft time (`mtp.dynamic_tree`, the proposer's `propose_dynamic`) with
+    this depth and width, as many nodes as the step's tree (`tree`, or the policy's choice) has. A `tree` that
+    is itself a `DynamicTree` is a fixed budget."""
     strategy = strategy or GreedyStrategy()
+    if isinstance(tree, DynamicTree):
+        dynamic, tree = tree, chain(tree.nodes - 1)  # a stand-in of the budget's size
+    if dynamic is not None and not isinstance(strategy, GreedyStrategy):
+        raise ValueError("draft-time trees (DynamicTree) are for greedy decoding; sampling needs a static tree")
     prompt = input_ids[0]
     if max_new_tokens <= 0:
         return GenerateOutput(sequences=input_ids.clone(), prompt_length=input_ids.shape[1])
@@ -305,12 +315,18 @@ def speculative_generate(
         if info.max_positions is not None:
             room = min(room, info.max_positions - 1 - prefix)
         policy = tree if isinstance(tree, AdaptiveDraft) else None
-        step_tree = (policy.tree() if policy else tree).limit(room)
         t_step = time.perf_counter()
 
         # 1. propose  2. score
-        draft, q = strategy.propose(proposer, token, step_tree)  # (N,), (D, V) | None
-        draft_seconds, draft_depth = time.perf_counter() - t_step, step_tree.depth
+        step_tree = (policy.tree() if policy else tree).limit(room)
+        if dynamic is not None and len(step_tree) > 1:
+            budget = dataclasses.replace(dynamic, nodes=len(step_tree)).limit(room)
+            step_tree, draft = proposer.propose_dynamic(token, budget)
+            q, draft_depth = None, proposer.drafted_depth
+        else:
+            draft, q = strategy.propose(proposer, token, step_tree)  # (N,), (D, V) | None
+            draft_depth = step_tree.depth
+        draft_seconds = time.perf_counter() - t_step
         if ngram is not None and room > 0:
             heads_tree = step_tree
             step_tree, draft = ngram.graft(step_tree, draft, room, merge=not lossless)

@@ -31,6 +31,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from .dynamic_tree import DraftNodes, DynamicTree, grow
 from .proposer import SEQUENTIAL_DEPTH_COST, Proposer
 from .tree import Tree
 
@@ -103,6 +104,7 @@ class EagleProposer(Proposer):
     """
 
     depth_cost = SEQUENTIAL_DEPTH_COST
+    dynamic_trees = True
 
     def __init__(self, drafter: nn.Module):
         from transformers import DynamicCache
@@ -207,6 +209,45 @@ class EagleProposer(Proposer):
             return best[plan.child_parent[k - 1], plan.child_rank[k - 1]]
 
         return self._draft(root, tree, top)
+
+    def propose_dynamic(self, root: int, budget: DynamicTree) -> tuple[Tree, torch.Tensor]:
+        """A draft-time tree (`mtp.dynamic_tree`): the same entries and masks as `_draft`, but which nodes of a
+        depth get an entry, and so children, is decided by their path probability as drafting goes."""
+        dr = self.drafter
+        dtype, device = dr.fc.weight.dtype, dr.fc.weight.device
+        self._commit(root)
+        n = self.committed
+        entry: dict[int, int] = {}  # node -> index of its entry among the speculative ones (cache order)
+        outs, row = self.last_out[None], {0: 0}  # outputs of the previous depth's entries, node -> row
+
+        def expand(k: int, parents: list[int], nodes: DraftNodes) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal outs, row
+            if k > 1:  # entries for the depth-(k-1) parents, at position n-1+(k-1)
+                first = len(entry)
+                entry.update((u, first + i) for i, u in enumerate(parents))
+                sees = torch.zeros(len(parents), len(entry), dtype=torch.bool)
+                for i, u in enumerate(parents):
+                    while u > 0:  # itself and its ancestors (every ancestor was expanded, so has an entry)
+                        sees[i, entry[u]] = True
+                        u = nodes.parent[u]
+                mask = torch.zeros(len(parents), n + len(entry), dtype=dtype, device=device)
+                mask[:, n:].masked_fill_(~sees.to(device), torch.finfo(dtype).min)
+                positions = torch.full((1, len(parents)), n + k - 2, dtype=torch.long, device=device)
+                src = torch.tensor([row[nodes.parent[u]] for u in parents], device=device)
+                tokens = torch.tensor([nodes.token[u] for u in parents], dtype=torch.long, device=device)
+                outs = dr.step(outs[src][None], tokens[None], positions, mask[None, None], self.cache)[0]
+                row = {u: i for i, u in enumerate(parents)}
+            top = dr.logits(outs).float().log_softmax(dim=-1).topk(budget.width, dim=-1)
+            return dr.draft_ids[top.indices], top.values
+
+        try:
+            tree, draft, nodes = grow(root, budget, expand)
+            self.drafted_depth = max(nodes.depth)
+        finally:
+            extra = self.cache.get_seq_length() - n
+            if extra > 0:
+                self.cache.crop(-extra)  # speculative entries never stay in the cache
+        return tree, torch.tensor(draft, dtype=torch.long, device=device)
 
     def propose_sampled(
         self, root: int, tree: Tree, probs: Callable[[torch.Tensor], torch.Tensor], generator

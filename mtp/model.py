@@ -32,6 +32,7 @@ from .decoding import (
     speculative_generate,
 )
 from .draft_vocab import DraftProjection
+from .dynamic_tree import DYNAMIC_DEPTH, DYNAMIC_WIDTH, DynamicTree
 from .eagle import select_features
 from .files import share_weights
 from .heads import build_heads
@@ -308,8 +309,11 @@ class MTPModel(nn.Module):
         acceptance, which is faster but LOSSY: an explicit opt-in, never the default.
 
         tree: None / "auto" (adaptive: the tree size, down to no drafting at all, that gives the most
-        tokens per second for this text, up to the model's default tree), "default" (the default tree,
-        fixed), "chain", an int (node budget for a built tree), a `Tree`, or a list of rank paths.
+        tokens per second for this text, up to the model's default tree; in greedy decoding with a drafter
+        that can, each tree is grown at draft time where the drafter is confident: `mtp.dynamic_tree`),
+        "auto-static" (the same policy with static tree shapes), "default" (the default tree, fixed), "chain",
+        an int (node budget for a built tree), a `Tree`, a list of rank paths, or a `DynamicTree` (a fixed
+        draft-time budget; greedy only).
         `speculative=False` decodes one token per step with the same code path (the baseline the
         speedup is measured against, and a per-request off switch).
         prompt_lookup: also draft by copying what followed the last occurrence of the current n-gram in
@@ -340,9 +344,10 @@ class MTPModel(nn.Module):
                 f"{self.info.max_positions} positions"
             )
         proposer = self.make_proposer()
+        dynamic = None
         if not speculative:
             step_tree = Tree([])
-        elif tree is None or tree == "auto":
+        elif tree is None or tree in ("auto", "auto-static"):
             # The default: adaptive drafting up to the model's default tree size, seeded with its accuracies.
             # No wall-clock input where the tree decides the output: under sampling (which random numbers a
             # step draws) and in half precision (how the verify forward rounds at near-ties), so the same
@@ -363,6 +368,13 @@ class MTPModel(nn.Module):
                 shapes={full: default} if half else None,
                 depth_cost=proposer.depth_cost,
             )
+            if proposer.dynamic_trees and not do_sample and tree != "auto-static":
+                # the policy picks how many nodes; the drafter's confidence shapes them (mtp.dynamic_tree)
+                dynamic = DynamicTree(full, DYNAMIC_DEPTH, DYNAMIC_WIDTH)
+        elif isinstance(tree, DynamicTree):
+            if not proposer.dynamic_trees:
+                raise ValueError(f"{self.config.head_type!r} heads draft static trees only; pass a Tree or None")
+            step_tree = tree
         else:
             step_tree = resolve_tree(tree, self.config.num_heads, self.default_tree)
         was_training = self.training
@@ -380,6 +392,7 @@ class MTPModel(nn.Module):
                 strategy,
                 prompt_lookup=prompt_lookup and speculative,
                 forward=self._verify_forward,
+                dynamic=dynamic,
             )
         finally:
             self.train(was_training)

@@ -15,6 +15,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from .dynamic_tree import DynamicTree
 from .tree import Tree
 
 # One depth of a drafter that runs a module per depth (one layer, its projection onto the draft vocabulary,
@@ -38,6 +39,9 @@ class Proposer:
     # What drafting one more depth costs, in decode steps (a prior for `mtp.adaptive`, which then measures it):
     # 0 for drafters that produce every depth in one pass, more for those that run a module per depth.
     depth_cost: float = 0.0
+    # Whether `propose_dynamic` grows draft-time trees (`mtp.dynamic_tree`); greedy decoding then uses it.
+    dynamic_trees: bool = False
+    drafted_depth: int = 0  # after `propose_dynamic`: the depths drafted (its tree may keep fewer)
 
     def begin(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         """After the prefill. hidden: (T, d) final hidden states of the prompt (`feature_layers`); tokens: (T,)."""
@@ -49,6 +53,10 @@ class Proposer:
 
     def propose(self, root: int, tree: Tree) -> torch.Tensor:
         """Draft tokens for every node, (N,) long, node 0 = `root` (the token the base just chose)."""
+        raise NotImplementedError
+
+    def propose_dynamic(self, root: int, budget: DynamicTree) -> tuple[Tree, torch.Tensor]:
+        """A tree grown at draft time within `budget` and its drafts (N,), node 0 = `root` (`dynamic_trees`)."""
         raise NotImplementedError
 
     def propose_sampled(

@@ -126,7 +126,8 @@ def test_greedy_output_matches_generate_and_drafts_are_accepted(arch):
             assert torch.equal(out.sequences, ref), (arch, name, ids.shape)
             assert 1 + sum(out.accepted_lengths) == out.num_new_tokens
             taus[name].append(out.tau)
-            longest = max(longest, *out.accepted_lengths)
+            if name != "auto":  # draft-time trees (auto's default here) may go past the trained depths
+                longest = max(longest, *out.accepted_lengths)
     print(arch, {k: [round(t, 2) for t in v] for k, v in taus.items()})
     for name, values in taus.items():
         # auto prices each drafted depth as measured, and in these tiny models one drafter step costs a large share
