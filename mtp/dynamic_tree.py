@@ -66,12 +66,11 @@ class DynamicTree:
 
 class DraftNodes:
     """The nodes drafted so far, in drafting order (node 0: the root). What `expand` reads: `parent`, `token`,
-    `depth` of any node id, and `order` (the ids of the expanded nodes in the order they were expanded)."""
+    `depth` and `path` (its ranks from the root) of any node id."""
 
     def __init__(self, root: int):
         self.parent, self.token, self.depth, self.rank = [-1], [root], [0], [0]
         self.logp = [0.0]
-        self.order: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token)
@@ -106,7 +105,6 @@ def grow(root: int, budget: DynamicTree, expand: Expand) -> tuple[Tree, list[int
     parents = [0]
     if keep > 0:
         for k in range(1, budget.depth + 1):
-            nodes.order += parents
             tokens, logps = expand(k, parents, nodes)
             tokens, logps = tokens.tolist(), logps.float().tolist()
             fresh = []
