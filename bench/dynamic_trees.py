@@ -24,11 +24,12 @@ import time
 import torch
 
 from mtp import MTPModel
-from mtp.default_model import default_model_dir
+from mtp.default_model import load_default_mtp
 from mtp.dynamic_tree import DynamicTree
 from mtp.tree import build_tree
 
 from .heldout import sharegpt
+from .mtbench import chat_prompt_ids
 
 SKIP = 32  # the prompts reported sets may use (--heldout-n up to 24, with margin)
 MODES = ("plain", "auto-static", "auto")
@@ -36,22 +37,17 @@ MODES = ("plain", "auto-static", "auto")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", required=True, help="a heads directory whose drafter grows draft-time trees")
+    parser.add_argument(
+        "--heads", required=True, help="heads of the embedded SmolLM2 (name or directory) that grow draft-time trees"
+    )
     parser.add_argument("--n", type=int, default=12, help="development prompts per kind (chat, code)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budgets", default="", help="comma-separated N (static) or N:D:W (draft-time) trees")
     args = parser.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    model = MTPModel.from_pretrained(args.heads, torch_dtype=torch.float32).pack_decoding()
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    model, tokenizer, _ = load_default_mtp(torch.float32, args.heads)
+    model.pack_decoding()
     prompts = [p.text for kind in ("chat", "code") for p in sharegpt(kind, SKIP + args.n)[SKIP:]]
-    ids_all = []
-    for text in prompts:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-        )
-        ids_all.append(ids if torch.is_tensor(ids) else ids["input_ids"])
+    ids_all = [chat_prompt_ids(tokenizer, text) for text in prompts]
     if args.budgets:
         return fixed_budgets(model, ids_all, args.n, args.budgets.split(","))
     model.generate(ids_all[0], max_new_tokens=16)  # warm-up

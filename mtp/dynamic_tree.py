@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,9 +59,7 @@ class DynamicTree:
 
     def limit(self, max_depth: int) -> DynamicTree:
         """The same budget no deeper than `max_depth` (near max_new_tokens or the position limit)."""
-        if max_depth >= self.depth:
-            return self
-        return DynamicTree(self.nodes, max(0, max_depth), self.width, self.min_prob)
+        return self if max_depth >= self.depth else replace(self, depth=max(0, max_depth))
 
 
 class DraftNodes:

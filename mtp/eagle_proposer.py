@@ -165,10 +165,28 @@ class EagleProposer(Proposer):
         self.committed = c + P
         self._g, self._tokens = [], []
 
+    def _speculative_step(self, inputs: torch.Tensor, tokens: torch.Tensor, sees: torch.Tensor, position: int):
+        """One drafter step over S speculative entries at `position`, each reading its parent's output (`inputs`,
+        (S, d)) and its own token (S,); each sees the committed cache and the speculative entries `sees` marks
+        ((S, entries so far) bool, in cache order, itself included). Returns their outputs (S, d)."""
+        dr = self.drafter
+        dtype, device = dr.fc.weight.dtype, dr.fc.weight.device
+        n, S = self.committed, tokens.numel()
+        mask = torch.zeros(S, n + sees.shape[1], dtype=dtype, device=device)
+        mask[:, n:].masked_fill_(~sees, torch.finfo(dtype).min)
+        positions = torch.full((1, S), position, dtype=torch.long, device=device)
+        return dr.step(inputs[None], tokens[None], positions, mask[None, None], self.cache)[0]
+
+    def _drop_speculative(self) -> None:
+        """Crop the speculative entries: only committed ones stay in the cache between steps."""
+        extra = self.cache.get_seq_length() - self.committed
+        if extra > 0:
+            self.cache.crop(-extra)
+
     def _draft(self, root: int, tree: Tree, choose: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Depth by depth; `choose(k, logits (R, Dv))` returns the depth-k tokens (base ids) in plan order."""
         dr = self.drafter
-        dtype, device = dr.fc.weight.dtype, dr.fc.weight.device
+        device = dr.fc.weight.device
         self._commit(root)
         n = self.committed
         plan = _eagle_plan(tree, str(device))
@@ -180,21 +198,13 @@ class EagleProposer(Proposer):
             for k in range(1, tree.depth + 1):
                 if k > 1:
                     m = k - 1  # entries of the depth-m nodes with children, at position n-1+m
-                    nodes, S = plan.entries[m - 1], plan.entries[m - 1].numel()
-                    spec = plan.entry_mask[m - 1]
-                    mask = torch.zeros(S, n + spec.shape[1], dtype=dtype, device=device)
-                    mask[:, n:].masked_fill_(~spec, torch.finfo(dtype).min)
-                    positions = torch.full((1, S), n - 1 + m, dtype=torch.long, device=device)
-                    outs = dr.step(
-                        outs[plan.entry_src[m - 1]][None], draft[nodes][None], positions, mask[None, None], self.cache
-                    )[0]
+                    inputs, tokens = outs[plan.entry_src[m - 1]], draft[plan.entries[m - 1]]
+                    outs = self._speculative_step(inputs, tokens, plan.entry_mask[m - 1], n - 1 + m)
                 logits = dr.logits(outs)  # (R, Dv): the children of each parent of depth k-1
                 self.draft_logits.update(zip(plan.parents[k - 1], logits, strict=True))
                 draft[plan.children[k - 1]] = choose(k, logits).to(device)
         finally:
-            extra = self.cache.get_seq_length() - n
-            if extra > 0:
-                self.cache.crop(-extra)  # speculative entries never stay in the cache
+            self._drop_speculative()
         return draft
 
     def propose(self, root: int, tree: Tree) -> torch.Tensor:
@@ -214,7 +224,7 @@ class EagleProposer(Proposer):
         """A draft-time tree (`mtp.dynamic_tree`): the same entries and masks as `_draft`, but which nodes of a
         depth get an entry, and so children, is decided by their path probability as drafting goes."""
         dr = self.drafter
-        dtype, device = dr.fc.weight.dtype, dr.fc.weight.device
+        device = dr.fc.weight.device
         self._commit(root)
         n = self.committed
         entry: dict[int, int] = {}  # node -> index of its entry among the speculative ones (cache order)
@@ -230,12 +240,9 @@ class EagleProposer(Proposer):
                     while u > 0:  # itself and its ancestors (every ancestor was expanded, so has an entry)
                         sees[i, entry[u]] = True
                         u = nodes.parent[u]
-                mask = torch.zeros(len(parents), n + len(entry), dtype=dtype, device=device)
-                mask[:, n:].masked_fill_(~sees.to(device), torch.finfo(dtype).min)
-                positions = torch.full((1, len(parents)), n + k - 2, dtype=torch.long, device=device)
                 src = torch.tensor([row[nodes.parent[u]] for u in parents], device=device)
                 tokens = torch.tensor([nodes.token[u] for u in parents], dtype=torch.long, device=device)
-                outs = dr.step(outs[src][None], tokens[None], positions, mask[None, None], self.cache)[0]
+                outs = self._speculative_step(outs[src], tokens, sees.to(device), n + k - 2)
                 row = {u: i for i, u in enumerate(parents)}
             top = dr.logits(outs).float().log_softmax(dim=-1).topk(budget.width, dim=-1)
             return dr.draft_ids[top.indices], top.values
@@ -244,9 +251,7 @@ class EagleProposer(Proposer):
             tree, draft, nodes = grow(root, budget, expand)
             self.drafted_depth = max(nodes.depth)
         finally:
-            extra = self.cache.get_seq_length() - n
-            if extra > 0:
-                self.cache.crop(-extra)  # speculative entries never stay in the cache
+            self._drop_speculative()
         return tree, torch.tensor(draft, dtype=torch.long, device=device)
 
     def propose_sampled(
