@@ -23,6 +23,13 @@ PROMPTS = [
     {"conversations": [{"from": "human", "value": "what is 2+2?"}, {"from": "gpt", "value": "4"}]},
     {"text": "import os"},
     {"prompt": "a much longer prompt " * 5},
+    {
+        "prompt": "and in French?",
+        "context": [
+            {"role": "user", "content": "say hi"},  # a follow-up turn
+            {"role": "assistant", "content": "hi there"},
+        ],
+    },
 ]
 
 
@@ -42,17 +49,19 @@ def test_distill_matches_unbatched_greedy_and_resumes(tmp_path, tiny_ckpt):  # n
     _distill(tiny_ckpt, data, out, "--limit", "4")
     assert sorted(load_distilled(out)["prompt_id"]) == [0, 1, 2, 3]
     shards_before = sorted(p.name for p in out.glob("shard-*"))
-    _distill(tiny_ckpt, data, out)  # resume: only prompts 4 and 5 are new
+    _distill(tiny_ckpt, data, out)  # resume: only prompts 4 to 6 are new
     ds = load_distilled(out)
-    assert sorted(ds["prompt_id"]) == list(range(6))
+    assert sorted(ds["prompt_id"]) == list(range(7))
     assert sorted(p.name for p in out.glob("shard-*"))[: len(shards_before)] == shards_before
 
     tok = AutoTokenizer.from_pretrained(str(tiny_ckpt))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt)).eval()
     prompts = read_prompts(str(data))
+    assert prompts[6] == [*PROMPTS[6]["context"], {"role": "user", "content": "and in French?"}]
     for row in ds:
         prompt = prompts[row["prompt_id"]]
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+        conversation = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
         assert row["input_ids"][: row["prompt_len"]] == ids[0].tolist()  # the chat template, as at serving time
         ref = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -61,8 +70,8 @@ def test_distill_matches_unbatched_greedy_and_resumes(tmp_path, tiny_ckpt):  # n
         ref_answer = ref[0, ids.shape[1] :].tolist()
         ref_answer = ref_answer[: ref_answer.index(eos) + 1] if eos in ref_answer else ref_answer
         assert answer == ref_answer  # left-padded batches change nothing
-        assert row["messages"][0] == {"role": "user", "content": prompt}
-        assert row["messages"][1]["role"] == "assistant"
+        assert row["messages"][:-1] == conversation  # a follow-up keeps its conversation's earlier turns
+        assert row["messages"][-1]["role"] == "assistant"
 
     # the folder trains directly, with loss on the model's answers only
     section = DataSection(path=str(out), block_size=8, eval_fraction=0.2)

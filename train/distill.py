@@ -2,13 +2,15 @@
 
 Why: heads are drafts for *this model's* outputs, so the best targets are what the model itself writes
 (Medusa's self-distillation), rendered with its chat template exactly as at serving time. Each prompt is
-templated and answered by continuous batching (`mtp.batching.BatchDecoder`, plain decoding: a finished answer's
-row is refilled by the next prompt at once, and no prompt is padded to its batch's longest), or with
+templated (a row with ``context``, earlier turns of its conversation, as that conversation's next turn) and
+answered by continuous batching (`mtp.batching.BatchDecoder`, plain decoding: a finished answer's row is
+refilled by the next prompt at once, and no prompt is padded to its batch's longest), or with
 `engine="generate"` by the model's own `generate()` over left-padded batches, where every row keeps decoding
 until the batch's longest answer ends (1.4-1.55x slower in fp32 on a 2-core CPU, batch 32, 256 new tokens,
 answers identical: `python -m mtp.bench.distill_speed`). Each answer is stored with
   prompt_id   index of the prompt in the source (resumption key)
-  messages    [user prompt, assistant answer] (text, for inspection or re-templating)
+  messages    the conversation: [user prompt, assistant answer], or a row's ``context`` turns before them
+              (text, for inspection or re-templating)
   input_ids   the exact token ids: templated prompt + generated answer (what training reads)
   prompt_len  how many of input_ids are prompt (training masks them with data.loss_on: assistant)
 Output is written as `shard-NNNNN/` datasets, each renamed into place when complete; a rerun skips every
@@ -33,6 +35,7 @@ INFO_NAME = "distill_info.json"
 SKIPPED_NAME = "skipped_prompt_ids.json"
 PROMPT_FIELDS = ("prompt", "instruction", "question", "text")
 ENGINES = ("batched", "generate")  # see `answer_prompts`
+Prompt = str | list[dict]  # a user turn, or a conversation ending with one (from a row's ``context``)
 
 
 @dataclass
@@ -64,10 +67,14 @@ def _first_user(messages: list[dict]) -> str | None:
     return None
 
 
-def prompt_of(row: dict[str, Any]) -> str | None:
-    """The prompt of one row: a prompt-like text field, MT-Bench `turns`, or the first user chat turn."""
+def prompt_of(row: dict[str, Any]) -> Prompt | None:
+    """The prompt of one row: a prompt-like text field, MT-Bench `turns`, or the first user chat turn. A
+    prompt field beside a ``context`` list (earlier turns, as `train.prompt_sets --turn second` writes) is
+    that conversation's next user turn: the context's messages followed by it."""
     for name in PROMPT_FIELDS:
         if isinstance(row.get(name), str) and row[name].strip():
+            if isinstance(row.get("context"), list) and row["context"]:
+                return [*row["context"], {"role": "user", "content": row[name]}]
             return row[name]
     if isinstance(row.get("turns"), list) and row["turns"]:
         return str(row["turns"][0])
@@ -80,7 +87,7 @@ def prompt_of(row: dict[str, Any]) -> str | None:
     return None
 
 
-def read_prompts(data: str, limit: int | None = None) -> list[str]:
+def read_prompts(data: str, limit: int | None = None) -> list[Prompt]:
     """Prompts from "sharegpt", a ShareGPT .json array, .jsonl/.json rows, .txt lines, or a dataset dir."""
     from .data import _is_json_array_of_conversations, _is_saved_dataset
 
@@ -176,12 +183,16 @@ def _check_info(out: Path, opts: DistillOptions, model_path: Path) -> None:
 # ---- generation ---------------------------------------------------------------------------------------------------
 
 
-def _template(tokenizer: Any, prompt: str) -> list[int]:
+def _messages(prompt: Prompt) -> list[dict]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def _template(tokenizer: Any, prompt: Prompt) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True
-        )
+        enc = tokenizer.apply_chat_template(_messages(prompt), add_generation_prompt=True, return_dict=True)
         return list(enc["input_ids"])
+    if not isinstance(prompt, str):
+        raise ValueError("a prompt with context needs a tokenizer with a chat template")
     return list(tokenizer(prompt)["input_ids"])
 
 
@@ -320,8 +331,7 @@ def distill(opts: DistillOptions) -> Path:
             ans = answers[i]
             text = tokenizer.decode(ans, skip_special_tokens=True)
             rows.append({"prompt_id": i, "input_ids": encoded[i] + ans, "prompt_len": len(encoded[i]),
-                         "messages": [{"role": "user", "content": prompts[i]},
-                                      {"role": "assistant", "content": text}]})  # fmt: skip
+                         "messages": [*_messages(prompts[i]), {"role": "assistant", "content": text}]})  # fmt: skip
         bar.update(len(shard_ids) - len(keep))
         if rows:
             _write_shard(out, sorted(rows, key=lambda r: r["prompt_id"]))

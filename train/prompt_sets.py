@@ -9,6 +9,13 @@ step, so prompts taken from there are held out for the shipped heads and for eve
 "Code" is a prompt that asks for or shows code (a keyword or code-like syntax); everything else is "chat".
 Prompts are kept when they are mostly ASCII (SmolLM2 is an English model) and of a length a chat user
 sends (``MIN_CHARS``..``MAX_CHARS``).
+
+Second turns (``turn="second"``): a chat assistant mostly answers follow-ups ("now in Python", "shorter"), which
+read the conversation so far. The second user turn of a conversation comes with its first exchange as
+``context`` (the user's first turn and ShareGPT's answer to it, at most ``MAX_CONTEXT_CHARS``), so
+`mtp distill` answers it as the model would in that conversation. A split's second turns are new prompts
+for a drafter trained on its first turns, from the same conversations, so they stay on the same side of
+``HELDOUT_START``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from pathlib import Path
 HELDOUT_START = 15_000
 MIN_CHARS = 20
 MAX_CHARS = 1_500
+MAX_CONTEXT_CHARS = 1_800  # the first exchange of a second-turn prompt: ~450 tokens, under distill's 512
+TURNS = ("first", "second")
 
 _CODE_WORDS = re.compile(
     r"```|\bdef \w+\(|\bfunction\b|\bclass \w+|\bimport \w+|#include|\bSELECT\b|\bpython\b|\bjavascript\b|"
@@ -39,8 +48,7 @@ def is_code(prompt: str) -> bool:
 def _usable(prompt: str) -> bool:
     if not (MIN_CHARS <= len(prompt) <= MAX_CHARS):
         return False
-    ascii_chars = sum(1 for c in prompt if ord(c) < 128)
-    return ascii_chars >= 0.95 * len(prompt)
+    return _ascii(prompt)
 
 
 def sharegpt_prompts(split: str, path: str | None = None) -> Iterator[tuple[int, str, str]]:
@@ -62,14 +70,51 @@ def sharegpt_prompts(split: str, path: str | None = None) -> Iterator[tuple[int,
                 break
 
 
-def select(split: str, chat: int, code: int, path: str | None = None) -> list[dict]:
-    """``chat`` chat and ``code`` code prompts of a split, interleaved so that any prefix holds both kinds."""
+def _ascii(text: str) -> bool:
+    return sum(1 for c in text if ord(c) < 128) >= 0.95 * len(text)
+
+
+def sharegpt_second_turns(split: str, path: str | None = None) -> Iterator[tuple[int, str, list[dict], str]]:
+    """(conversation index, kind, first exchange, second user turn) of a split's conversations that open with
+    user, assistant, user turns, the second user turn usable and the first exchange mostly ASCII and at most
+    ``MAX_CONTEXT_CHARS``. The kind is "code" when the follow-up or its context asks for or shows code."""
+    from .sharegpt import ROLE_MAP, iter_sharegpt
+
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    for index, record in enumerate(iter_sharegpt(path)):
+        if split == "train" and index >= HELDOUT_START:
+            return
+        if split == "heldout" and index < HELDOUT_START:
+            continue
+        turns = [(ROLE_MAP.get(t["from"].lower()), t["value"].strip()) for t in record["conversations"][:3]]
+        if [role for role, _ in turns] != ["user", "assistant", "user"] or not all(text for _, text in turns):
+            continue
+        context = [{"role": role, "content": text} for role, text in turns[:2]]
+        first_exchange = turns[0][1] + turns[1][1]
+        prompt = turns[2][1]
+        if not _usable(prompt) or len(first_exchange) > MAX_CONTEXT_CHARS or not _ascii(first_exchange):
+            continue
+        code = is_code(prompt) or is_code(first_exchange)
+        yield index, ("code" if code else "chat"), context, prompt
+
+
+def select(split: str, chat: int, code: int, path: str | None = None, turn: str = "first") -> list[dict]:
+    """``chat`` chat and ``code`` code prompts of a split, interleaved so that any prefix holds both kinds.
+    ``turn="second"``: second user turns, each with its conversation's first exchange as ``context``."""
+    if turn not in TURNS:
+        raise ValueError(f"turn must be one of {TURNS}, got {turn!r}")
+    if turn == "first":
+        found = ((index, kind, None, prompt) for index, kind, prompt in sharegpt_prompts(split, path))
+    else:
+        found = sharegpt_second_turns(split, path)
     chats: list[dict] = []
     codes: list[dict] = []
-    for index, kind, prompt in sharegpt_prompts(split, path):
+    for index, kind, context, prompt in found:
         bucket, want = (codes, code) if kind == "code" else (chats, chat)
         if len(bucket) < want:
-            bucket.append({"prompt": prompt, "kind": kind, "sharegpt_index": index})
+            row = {"prompt": prompt, "kind": kind, "sharegpt_index": index}
+            bucket.append(row if context is None else {**row, "context": context})
         if len(chats) >= chat and len(codes) >= code:
             break
     rows: list[dict] = []
@@ -96,12 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", choices=["train", "heldout"], required=True)
     parser.add_argument("--chat", type=int, required=True)
     parser.add_argument("--code", type=int, required=True)
-    parser.add_argument("--out", required=True, help=".jsonl with prompt, kind, sharegpt_index")
+    parser.add_argument(
+        "--turn",
+        choices=TURNS,
+        default="first",
+        help="second: follow-up user turns, each with its conversation's first exchange as context",
+    )
+    parser.add_argument("--out", required=True, help=".jsonl with prompt, kind, sharegpt_index (and context)")
     args = parser.parse_args(argv)
-    rows = select(args.split, args.chat, args.code)
+    rows = select(args.split, args.chat, args.code, turn=args.turn)
     write_jsonl(rows, args.out)
     kinds = {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")}
-    print(f"{args.out}: {len(rows)} prompts ({kinds['chat']} chat, {kinds['code']} code) from the {args.split} split")
+    counts = f"{kinds['chat']} chat, {kinds['code']} code, {args.turn} turns"
+    print(f"{args.out}: {len(rows)} prompts ({counts}) from the {args.split} split")
     return 0
 
 

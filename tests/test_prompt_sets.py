@@ -1,0 +1,72 @@
+"""`train.prompt_sets`: first and second user turns of a ShareGPT file, split at HELDOUT_START."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtp.train import prompt_sets as P
+
+
+def _conversation(*turns: tuple[str, str]) -> dict:
+    return {"id": "x", "conversations": [{"from": who, "value": text} for who, text in turns]}
+
+
+def _write(tmp_path, records: list[dict]) -> str:
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    return str(path)
+
+
+FOLLOW_UP = "Now write the same function in Python, please."
+RECORDS = [
+    _conversation(
+        ("human", "Explain what a mutex is, briefly."),
+        ("gpt", "A lock that one thread holds."),
+        ("human", FOLLOW_UP),
+        ("gpt", "def f(): ..."),
+    ),
+    _conversation(("human", "Tell me a story about the sea."), ("gpt", "Once upon a time...")),  # no second turn
+    _conversation(
+        ("gpt", "Hello, how can I help?"), ("human", "Summarise the plot of Hamlet for me."), ("gpt", "A prince...")
+    ),  # opens with the assistant
+    _conversation(
+        ("human", "What is the capital of France?"),
+        ("gpt", "Paris. " * 400),  # context too long
+        ("human", "And what is its population today?"),
+    ),
+    _conversation(
+        ("human", "Name three rivers in Europe."), ("gpt", "Danube, Rhine, Seine."), ("human", "ok")
+    ),  # the follow-up is too short to be a prompt
+    _conversation(
+        ("human", "Give me a name for a bakery."),
+        ("gpt", "Rise & Shine."),
+        ("human", "Something shorter and friendlier, maybe?"),
+    ),
+]
+
+
+def test_second_turns_carry_their_first_exchange(tmp_path, monkeypatch):
+    path = _write(tmp_path, RECORDS)
+    monkeypatch.setattr(P, "HELDOUT_START", len(RECORDS))
+    found = list(P.sharegpt_second_turns("train", path))
+    assert [(index, kind, prompt) for index, kind, _, prompt in found] == [
+        (0, "code", FOLLOW_UP),  # the follow-up asks for Python
+        (5, "chat", "Something shorter and friendlier, maybe?"),
+    ]
+    assert found[0][2] == [{"role": "user", "content": "Explain what a mutex is, briefly."},
+                           {"role": "assistant", "content": "A lock that one thread holds."}]  # fmt: skip
+
+    rows = P.select("train", chat=5, code=5, path=path, turn="second")
+    assert [r["sharegpt_index"] for r in rows] == [5, 0]  # one chat, then the code prompt
+    assert rows[1]["context"] == found[0][2] and rows[1]["prompt"] == FOLLOW_UP
+    first = P.select("train", chat=9, code=9, path=path)  # every conversation has a usable first user turn
+    assert all("context" not in r for r in first) and sorted(r["sharegpt_index"] for r in first) == list(range(6))
+
+    # the split boundary holds for second turns too
+    monkeypatch.setattr(P, "HELDOUT_START", 3)
+    assert [i for i, *_ in P.sharegpt_second_turns("train", path)] == [0]
+    assert [i for i, *_ in P.sharegpt_second_turns("heldout", path)] == [5]
+    with pytest.raises(ValueError, match="turn must be"):
+        P.select("train", 1, 1, path=path, turn="third")
