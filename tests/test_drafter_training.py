@@ -112,6 +112,41 @@ def test_a_cache_can_stop_at_a_chosen_size(tmp_path, features):
     assert (a["input_ids"] == b["input_ids"]).all() and (a["final"] == b["final"]).all()
 
 
+def test_several_caches_train_together(tmp_path, features):
+    """--features A B: one run over both caches' train blocks (A's, then B's), evaluated on both eval splits."""
+    from mtp.train.drafter_trainer import main
+    from mtp.train.features import FeatureRows, load_split
+
+    model, full, info = features
+    small = tmp_path / "small"
+    cache_features(FeatureOptions(model=str(model), data=stdlib_files(), out=small, block_size=128,
+                                  eval_fraction=0.1, eval_max_blocks=8, draft_vocab_size=200, batch_size=8,
+                                  shard_blocks=16, dtype="float32", max_train_blocks=16))  # fmt: skip
+    both = FeatureRows([full / "train", small / "train"])
+    assert len(both) == info["train_blocks"] + 16
+    one, other = FeatureRows(full / "train").rows([3]), FeatureRows(small / "train").rows([5])
+    for k, v in both.rows([3, info["train_blocks"] + 5]).items():
+        assert torch.equal(v[0], one[k][0]) and torch.equal(v[1], other[k][0])
+    held = load_split([full / "eval", small / "eval"], ("input_ids",))["input_ids"]
+    assert len(held) == len(load_split(full / "eval", ("input_ids",))["input_ids"]) + len(
+        load_split(small / "eval", ("input_ids",))["input_ids"]
+    )
+
+    out = tmp_path / "run"
+    assert main(["--features", str(full), str(small), "--out", str(out), "--model", str(model), "--num-heads", "2",
+                 "--steps", "2", "--micro-batch", "8", "--max-steps", "2", "--save-every", "2"]) == 0  # fmt: skip
+    result = json.loads((out / "result.json").read_text())
+    assert result["train_blocks_used"] == len(both) and result["options"]["features"] == [str(full), str(small)]
+
+    other_blocks = tmp_path / "other"
+    shutil.copytree(small, other_blocks)
+    meta = json.loads((other_blocks / "features_info.json").read_text())
+    meta["options"]["block_size"] = 64
+    (other_blocks / "features_info.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="same feature layers and block size"):
+        train_drafter(_opts(model, [full, other_blocks], tmp_path / "refused", max_steps=1))
+
+
 def test_drafter_learns_every_depth(tmp_path, features):
     model, feats, _ = features
     res = train_drafter(_opts(model, feats, tmp_path / "run", max_steps=80, eval_every=80, save_every=80))

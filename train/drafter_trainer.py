@@ -44,7 +44,9 @@ from .precision import autocast
 
 @dataclass
 class DrafterOptions:
-    features: Path = Path("runs/features")
+    # one cache, or several trained together (e.g. a new stage's answers beside the earlier stages' caches):
+    # their train blocks are concatenated and their held-out blocks evaluated together
+    features: Path | list[Path] = Path("runs/features")
     out: Path = Path("runs/eagle")
     model: str = "default"
     num_heads: int = 6  # deepest draft the exported drafter offers the tree builder
@@ -301,6 +303,21 @@ def export_drafter(drafter: Any, base: Any, out: Path, metrics: dict | None = No
     return target
 
 
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+def _cache_info(directory: Path, name: str) -> dict[str, Any]:
+    """A cache's info file, with the block size it was cut into at the top level (for the checks above)."""
+    path = directory / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {name}; build a cache with `python -m mtp.train.features`")
+    info = json.loads(path.read_text())
+    return {**info, "block_size": info.get("options", {}).get("block_size")}
+
+
 def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
@@ -314,9 +331,15 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if opts.export_only and _latest(out) is None:
         raise FileNotFoundError(f"--export-only: no checkpoint in {out}")
-    feats = Path(opts.features)
-    info = json.loads((feats / INFO).read_text())
-    vocab = torch.tensor(json.loads((feats / VOCAB).read_text()), dtype=torch.long)
+    caches = [Path(opts.features)] if isinstance(opts.features, (str, Path)) else [Path(f) for f in opts.features]
+    infos = [_cache_info(d, INFO) for d in caches]
+    info = infos[0]
+    for d, other in zip(caches[1:], infos[1:], strict=True):
+        for key in ("feature_layers", "block_size"):
+            if other[key] != info[key]:
+                raise ValueError(f"{d}: {key} {other[key]}, {caches[0]}: {info[key]}; caches trained together "
+                                 "need the same feature layers and block size")  # fmt: skip
+    vocab = torch.tensor(json.loads((caches[0] / VOCAB).read_text()), dtype=torch.long)
     # A run that continues (its own checkpoint) or warm-starts (--init-from) keeps the drafter's own draft
     # vocabulary: the cache stores the base's final hidden states, so the teacher's targets are exact over
     # any vocabulary, and a bigger cache (whose most frequent tokens differ a little) can extend a drafter
@@ -344,8 +367,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
     t_load = time.time()
     # the train split stays on disk (memory-mapped, read per step); the small eval split is loaded whole
-    train = None if opts.export_only else FeatureRows(feats / "train")
-    held = load_split(feats / "eval")
+    train = None if opts.export_only else FeatureRows([d / "train" for d in caches])
+    held = load_split([d / "eval" for d in caches])
     load_s = time.time() - t_load
     optim = torch.optim.AdamW(drafter.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, betas=(0.9, 0.95))
     step = 0
@@ -367,7 +390,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     metrics_path = out / "metrics.jsonl"
     N = 0 if train is None else len(train)
     if train is not None:
-        note_if_incomplete(feats, info, N)
+        for d, i in zip(caches, infos, strict=True):
+            note_if_incomplete(d, i, len(FeatureRows(d / "train", ("input_ids",))))
     per_epoch = max(1, N // opts.micro_batch)
 
     def order(epoch: int) -> list[int]:
@@ -439,8 +463,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     bar.close()
     final_eval = history[-1] if history else evaluate(drafter, teacher_w, held, opts.steps, opts.micro_batch)
     metrics = {
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
-        "features": info,
+        "options": {k: _jsonable(v) for k, v in asdict(opts).items()},
+        "features": info if len(infos) == 1 else infos,
         "stop_reason": stop_reason,
         "steps": step,
         "wall_seconds_this_run": round(time.time() - t0, 1),
@@ -470,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         kind = type(value) if value is not None else (float if name == "max_minutes" else int)
         if isinstance(value, Path) or name == "init_from":
             kind = Path
+        if name == "features":
+            p.add_argument(flag, type=Path, nargs="+", default=[value], help="one feature cache or several")
+            continue
         if isinstance(value, bool):
             p.add_argument(flag, action="store_true")
             continue

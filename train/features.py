@@ -90,17 +90,22 @@ def _tensors(table: dict[str, Any], columns: Sequence[str]) -> dict[str, torch.T
     return cols
 
 
-def _open_split(directory: Path, columns: Sequence[str]) -> Any:
+def _open_split(directory: Path | Sequence[Path], columns: Sequence[str]) -> Any:
+    """One split's finished shards, of one cache or of several (concatenated in the order given)."""
     from datasets import concatenate_datasets, load_from_disk
 
-    shards = _shards(Path(directory))
-    if not shards:
-        raise FileNotFoundError(f"no feature shards in {directory}: run `python -m mtp.train.features` first")
+    shards = []
+    for d in [directory] if isinstance(directory, (str, Path)) else directory:
+        found = _shards(Path(d))
+        if not found:
+            raise FileNotFoundError(f"no feature shards in {d}: run `python -m mtp.train.features` first")
+        shards += found
     return concatenate_datasets([load_from_disk(str(p)) for p in shards]).select_columns(list(columns))
 
 
-def load_split(directory: Path, columns: tuple[str, ...] = COLUMNS) -> dict[str, torch.Tensor]:
-    """The finished shards of one split as in-memory tensors (fp16 features stay fp16).
+def load_split(directory: Path | Sequence[Path], columns: tuple[str, ...] = COLUMNS) -> dict[str, torch.Tensor]:
+    """The finished shards of one split (of one cache, or of several one after another) as in-memory tensors
+    (fp16 features stay fp16).
 
     columns: what to read; MTP modules need only ``final`` (a quarter of the bytes of ``aux`` + ``final``)."""
     return _tensors(_open_split(directory, columns).with_format("numpy")[:], columns)
@@ -115,7 +120,7 @@ class FeatureRows:
     512 tokens, against seconds of drafter compute) and the OS keeps what fits in its page cache. Features come
     back as fp32: the drafter casts them to fp32 anyway, so the values are the same as from `load_split`."""
 
-    def __init__(self, directory: Path, columns: tuple[str, ...] = COLUMNS) -> None:
+    def __init__(self, directory: Path | Sequence[Path], columns: tuple[str, ...] = COLUMNS) -> None:
         self.columns = columns
         self._ds = _open_split(directory, columns).with_format("numpy")
         self.block_size = self._ds.features["input_ids"].length  # from the schema: no block read for it
