@@ -310,7 +310,8 @@ def _jsonable(value: Any) -> Any:
 
 
 def _cache_info(directory: Path, name: str) -> dict[str, Any]:
-    """A cache's info file, with the block size it was cut into at the top level (for the checks above)."""
+    """A cache's info file, with the block size it was cut into at the top level: caches trained together
+    must agree on it and on their feature layers."""
     path = directory / name
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {name}; build a cache with `python -m mtp.train.features`")
