@@ -10,7 +10,7 @@ step, so prompts taken from there are held out for the shipped heads and for eve
 Prompts are kept when they are mostly ASCII (SmolLM2 is an English model) and of a length a chat user
 sends (``MIN_CHARS``..``MAX_CHARS``).
 
-Second turns (``turn="second"``): a chat assistant mostly answers follow-ups ("now in Python", "shorter"), which
+Second turns (``turn="second"``): a chat assistant also answers follow-ups ("now in Python", "shorter"), which
 read the conversation so far. The second user turn of a conversation comes with its first exchange as
 ``context`` (the user's first turn and ShareGPT's answer to it, at most ``MAX_CONTEXT_CHARS``), so
 `mtp distill` answers it as the model would in that conversation. A split's second turns are new prompts
