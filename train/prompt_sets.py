@@ -45,15 +45,17 @@ def is_code(prompt: str) -> bool:
     return _CODE_WORDS.search(prompt) is not None
 
 
+def _ascii(text: str) -> bool:
+    return sum(1 for c in text if ord(c) < 128) >= 0.95 * len(text)
+
+
 def _usable(prompt: str) -> bool:
-    if not (MIN_CHARS <= len(prompt) <= MAX_CHARS):
-        return False
-    return _ascii(prompt)
+    return MIN_CHARS <= len(prompt) <= MAX_CHARS and _ascii(prompt)
 
 
-def sharegpt_prompts(split: str, path: str | None = None) -> Iterator[tuple[int, str, str]]:
-    """(conversation index, kind, first user turn) of the usable prompts of one split ("train"/"heldout")."""
-    from .sharegpt import ROLE_MAP, iter_sharegpt
+def _split_records(split: str, path: str | None) -> Iterator[tuple[int, dict]]:
+    """(conversation index, record) of one split: "train" before ``HELDOUT_START``, "heldout" from it on."""
+    from .sharegpt import iter_sharegpt
 
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
@@ -62,6 +64,14 @@ def sharegpt_prompts(split: str, path: str | None = None) -> Iterator[tuple[int,
             return
         if split == "heldout" and index < HELDOUT_START:
             continue
+        yield index, record
+
+
+def sharegpt_prompts(split: str, path: str | None = None) -> Iterator[tuple[int, str, str]]:
+    """(conversation index, kind, first user turn) of the usable prompts of one split ("train"/"heldout")."""
+    from .sharegpt import ROLE_MAP
+
+    for index, record in _split_records(split, path):
         for turn in record["conversations"]:
             if ROLE_MAP.get(turn["from"].lower()) == "user" and turn["value"].strip():
                 prompt = turn["value"].strip()
@@ -70,23 +80,13 @@ def sharegpt_prompts(split: str, path: str | None = None) -> Iterator[tuple[int,
                 break
 
 
-def _ascii(text: str) -> bool:
-    return sum(1 for c in text if ord(c) < 128) >= 0.95 * len(text)
-
-
 def sharegpt_second_turns(split: str, path: str | None = None) -> Iterator[tuple[int, str, list[dict], str]]:
     """(conversation index, kind, first exchange, second user turn) of a split's conversations that open with
     user, assistant, user turns, the second user turn usable and the first exchange mostly ASCII and at most
     ``MAX_CONTEXT_CHARS``. The kind is "code" when the follow-up or its context asks for or shows code."""
-    from .sharegpt import ROLE_MAP, iter_sharegpt
+    from .sharegpt import ROLE_MAP
 
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    for index, record in enumerate(iter_sharegpt(path)):
-        if split == "train" and index >= HELDOUT_START:
-            return
-        if split == "heldout" and index < HELDOUT_START:
-            continue
+    for index, record in _split_records(split, path):
         turns = [(ROLE_MAP.get(t["from"].lower()), t["value"].strip()) for t in record["conversations"][:3]]
         if [role for role, _ in turns] != ["user", "assistant", "user"] or not all(text for _, text in turns):
             continue
