@@ -21,6 +21,7 @@ DEFAULT_METHODS = "plain,prompt_lookup,assisted,chain,tree,tree_lookup,auto,plai
 ALL_METHODS = DEFAULT_METHODS + ",auto_static_packed,plain_compiled,auto_compiled"
 # prompt sets: MT-Bench first turns (--limit), held-out chat and code prompts (--heldout-n, --heldout-source)
 ALL_SETS = "mtbench,heldout-chat,heldout-code"
+KNOWN_SETS = ALL_SETS + ",heldout-followup"  # follow-ups (bench/heldout.py followups) run when asked for
 
 
 def _cpu_name() -> str:
@@ -37,7 +38,7 @@ def bench(
     model: str = typer.Option("default", help="'default' (SmolLM2 + shipped heads) or an MTP checkpoint dir."),
     heads: str = typer.Option("", help="Heads dir for the default model, or a shipped set: mtp (default), eagle."),
     limit: int = typer.Option(80, help="MT-Bench questions (round-robin over categories)."),
-    prompts: str = typer.Option(ALL_SETS, help="Comma-separated prompt sets, each reported apart: " + ALL_SETS),
+    prompts: str = typer.Option(ALL_SETS, help="Comma-separated prompt sets, each reported apart: " + KNOWN_SETS),
     heldout_n: int = typer.Option(24, help="Prompts per held-out set (heldout-chat, heldout-code)."),
     heldout_source: str = typer.Option(
         "both", help="Held-out prompts: handwritten | sharegpt | both (alternating; see bench/heldout.py)."
@@ -173,10 +174,10 @@ def _prompt_sets(spec: str, limit: int, heldout_n: int, source: str) -> dict[str
 
     Sets with no prompts (--limit 0, --heldout-n 0) are left out; at least one set must remain."""
     wanted = [x.strip() for x in spec.split(",") if x.strip()]
-    unknown = set(wanted) - set(ALL_SETS.split(","))
+    unknown = set(wanted) - set(KNOWN_SETS.split(","))
     if unknown or not wanted:
-        raise typer.BadParameter(f"unknown prompt sets {sorted(unknown)}; known: {ALL_SETS}")
-    from .heldout import SOURCES, heldout_prompts
+        raise typer.BadParameter(f"unknown prompt sets {sorted(unknown)}; known: {KNOWN_SETS}")
+    from .heldout import SOURCES, heldout_set
     from .mtbench import load_mtbench
 
     if source not in SOURCES:
@@ -188,7 +189,9 @@ def _prompt_sets(spec: str, limit: int, heldout_n: int, source: str) -> dict[str
         else:
             kind = name.removeprefix("heldout-")
             try:
-                sets[name] = [(p.id, p.source, p.text) for p in heldout_prompts(kind, heldout_n, source)]
+                picked = heldout_set(kind, heldout_n, source)
+                # a follow-up is a conversation; its category is its kind (all of them come from ShareGPT)
+                sets[name] = [(p.id, p.kind, p.messages()) if p.context else (p.id, p.source, p.text) for p in picked]
             except ModuleNotFoundError as err:  # ShareGPT not installed
                 hint = "or use only the handwritten held-out prompts: --heldout-source handwritten"
                 raise typer.BadParameter(f"{err} ({hint})") from err

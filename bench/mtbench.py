@@ -110,10 +110,12 @@ def first_turn_ids(tokenizer, question: MTBenchQuestion):
     return chat_prompt_ids(tokenizer, question.turns[0])
 
 
-def chat_prompt_ids(tokenizer, text: str):
-    """One user message as the model sees it: chat template + generation prompt, (1, T) ids."""
+def chat_prompt_ids(tokenizer, text: str | list[dict]):
+    """One user message (or a conversation ending with the user's turn, as role/content dicts) as the model
+    sees it: chat template + generation prompt, (1, T) ids."""
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}],
+        messages,
         add_generation_prompt=True,
         return_tensors="pt",
         return_dict=True,

