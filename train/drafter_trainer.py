@@ -392,7 +392,8 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
     N = 0 if train is None else len(train)
     if train is not None:
         for d, i in zip(caches, infos, strict=True):
-            note_if_incomplete(d, i, len(FeatureRows(d / "train", ("input_ids",))))
+            if not i.get("complete", True):  # count a cache's finished blocks only when it is still growing
+                note_if_incomplete(d, i, len(FeatureRows(d / "train", ("input_ids",))))
     per_epoch = max(1, N // opts.micro_batch)
 
     def order(epoch: int) -> list[int]:
