@@ -11,7 +11,10 @@ generator, proposer state and acceptance statistics. One `BatchDecoder.step()`:
                 measured on this machine, plus each drafting row's drafting, priced per drafted depth; each
                 row's expected length from its own measured acceptance, its tree of N nodes as deep as pays).
                 Under heavy load this is N = 1: plain batched decoding.
-  3. propose    each row's proposer drafts its best tree of <= N nodes (+ its prompt-lookup chain)
+  3. propose    each row's proposer drafts its best tree of <= N nodes (+ its prompt-lookup chain); a greedy
+                row whose drafter grows draft-time trees (`mtp.dynamic_tree`, the EAGLE drafter) grows one of
+                N nodes instead, as `MTPModel.generate()` does alone: the plan picks the size, the drafter's
+                confidence the shape
   4. score      ONE forward over every row's tree, padded to the widest; row i's 4D mask lets its nodes see
                 its own prefix (and sliding window) and their ancestors, nothing of other rows or padding
   5. verify     per row, exactly as the batch-1 decoder does (greedy argmax walk, or lossless rejection
@@ -38,7 +41,7 @@ import torch
 from .adaptive import LADDER, AdaptiveDraft
 from .batch_cache import BatchCache
 from .decoding import GreedyStrategy, SamplingStrategy, resolve_stopping
-from .dynamic_tree import DynamicTree
+from .dynamic_tree import DYNAMIC_DEPTH, DYNAMIC_WIDTH, DynamicTree
 from .eagle import select_features
 from .kv_cache import new_cache
 from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows
@@ -197,12 +200,18 @@ class BatchDecoder:
         self.budgets = tuple(n for n in LADDER if n <= full) if not self.half else (1, 4, 8, full)
         self.budgets_alone = (1, full) if self.half else self.budgets
         # A fixed tree (`tree=`: a Tree, rank paths, a node count, "default" or "chain"): every speculating row
-        # verifies it at every step, whatever the load; None: the load-aware plan.
+        # verifies it at every step, whatever the load; None / "auto": the load-aware plan, whose greedy rows
+        # grow draft-time trees of the planned size where their drafter can; "auto-static": the plan's static
+        # shapes only (as `MTPModel.generate(tree="auto-static")`).
         self.fixed_tree = None
         if isinstance(tree, DynamicTree):
-            raise ValueError("the batched engine verifies static trees; pass a Tree, a node count or None")
-        if tree is not None and tree not in ("auto", "auto-static"):  # its policy's shapes are static
+            raise ValueError(
+                "the batched engine plans each step's size itself: pass None (draft-time trees where the drafter "
+                "grows them), 'auto-static', a Tree or a node count"
+            )
+        if tree is not None and tree not in ("auto", "auto-static"):
             self.fixed_tree = resolve_tree(tree, model.config.num_heads, self.default_tree)
+        self.dynamic = self.fixed_tree is None and tree != "auto-static"
         self._cost = cost
         self.cache = BatchCache()
         self.rows: list[_Row] = []  # decoding, in cache-row order
@@ -471,7 +480,12 @@ class BatchDecoder:
             if probe and row.speculative and i == self._steps // self.probe_every % B:
                 n = min(4, len(self.default_tree))  # keeps one row's acceptance estimates alive while plain
             tree = self._tree(row, n)[0].limit(room)
-            draft, q = row.strategy.propose(row.proposer, row.token, tree) if row.proposer else (None, None)
+            if self._grows(row) and len(tree) > 1:
+                grow = DynamicTree(len(tree), DYNAMIC_DEPTH, DYNAMIC_WIDTH).limit(room)
+                tree, draft = row.proposer.propose_dynamic(row.token, grow)
+                q = None
+            else:
+                draft, q = row.strategy.propose(row.proposer, row.token, tree) if row.proposer else (None, None)
             if draft is None:
                 draft = torch.tensor([row.token], device=self.device)
             if row.ngram is not None and room > 0 and budget > 1:
@@ -535,6 +549,16 @@ class BatchDecoder:
             self._keep([i for i in range(len(self.rows)) if i not in set(finished)])
             if not self.has_work:
                 _trim_heap()
+
+    def _grows(self, row: _Row) -> bool:
+        """Whether a row drafts draft-time trees: greedy (lossless sampling needs i.i.d. siblings), a drafter
+        that grows them, and the engine's plan choosing only their size."""
+        return (
+            self.dynamic
+            and row.proposer is not None
+            and row.proposer.dynamic_trees
+            and isinstance(row.strategy, GreedyStrategy)
+        )
 
     def _score(
         self, trees: list[Tree], drafts: list[torch.Tensor]

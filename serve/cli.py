@@ -41,7 +41,9 @@ def serve(
     ),
     dtype: str = typer.Option("float32", help="float32 (exact) | bfloat16."),
     tree: str = typer.Option(
-        "auto", help="Draft tree: auto (the decoder's default) | default | chain | <node count> | JSON rank paths."
+        "auto",
+        help="Draft tree: auto (sized per step by load; grown at draft time by drafters that can, greedy) | "
+        "auto-static | default | chain | <node count> | JSON rank paths.",
     ),
     threads: int | None = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
     pack: bool = typer.Option(True, help=PACK_HELP),

@@ -362,15 +362,26 @@ def test_mtp_generate_command_on_an_eagle_checkpoint(tmp_path):
 # ---- continuous batching ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama", "llama:2"])
-def test_batch_decoder_rows_match_their_own_generate(name):
+@pytest.mark.parametrize("name,tree", [("llama", None), ("llama:2", None), ("llama", "auto-static")])
+def test_batch_decoder_rows_match_their_own_generate(name, tree, monkeypatch):
     """Eagle rows in the batched engine (the decoder-only forward, asked for the inner layers' states): rows of
-    different lengths joining mid-run, a plain row beside them, a long prompt prefilled in chunks."""
+    different lengths joining mid-run, a plain row beside them, a long prompt prefilled in chunks. By default
+    greedy rows grow draft-time trees (every speculative step of theirs here); "auto-static" never does."""
+    from mtp.eagle_proposer import EagleProposer
+
+    grown = []
+    original = EagleProposer.propose_dynamic
+
+    def spy(self, root, budget):
+        grown.append(budget)
+        return original(self, root, budget)
+
+    monkeypatch.setattr(EagleProposer, "propose_dynamic", spy)
     model, prompts, _ = fitted(name)
     train = [p[0].tolist() for p in prompts]
     long = torch.randint(3, VOCAB, (21,), generator=torch.Generator().manual_seed(9)).tolist()
     all_prompts = train + [long, train[2]]
-    engine = BatchDecoder(model, guard=False, max_batch_size=4, prefill_chunk=8, cost=CHEAP_TREES)
+    engine = BatchDecoder(model, guard=False, max_batch_size=4, prefill_chunk=8, cost=CHEAP_TREES, tree=tree)
     assert engine._decoder is not None
     per_row = [{}] * 5 + [dict(speculative=False)]
     max_new = [40, 25, 48, 33, 30, 20]
@@ -380,6 +391,11 @@ def test_batch_decoder_rows_match_their_own_generate(name):
     taus = [sum(f.accepted_lengths) / len(f.accepted_lengths) for f in (finish[i] for i in range(4))]
     assert min(taus) > 1.8, taus
     assert set(finish[5].accepted_lengths) == {1}
+    speculative_steps = sum(len(finish[i].accepted_lengths) for i in range(5))
+    if tree is None:  # the cheap curve makes speculation pay: a row's steps grow trees but near its end
+        assert len(grown) >= speculative_steps // 2 and all(b.width == 4 for b in grown), (grown, speculative_steps)
+    else:
+        assert grown == []
     cost = StepCost.measure(model, sizes=(1, 4), context=24)  # drafts with an eagle proposer too
     assert cost.draft_seconds > 0
 
@@ -417,3 +433,20 @@ def test_bad_construction_is_a_clear_error(tmp_path):
     model.save_pretrained(tmp_path, heads_only=True)
     with pytest.raises(ValueError, match="hidden size 64"):
         MTPModel.from_pretrained(tmp_path, base_model=tiny_model("llama", hidden_size=32, num_attention_heads=4))
+
+
+def test_batch_trees_bench_levels_decode_every_prompt_exactly():
+    """bench/batch_trees.py's level runner: every mode decodes each prompt as generate() alone; τ counts verify
+    steps (plain decoding: exactly 1), concurrency 1 and 3 alike."""
+    from mtp.bench.batch_trees import MODES, run_level
+
+    model, prompts, seqs = fitted("llama")
+    ids = [p[0].tolist() for p in prompts]
+    refs = [s[0, p.shape[1] :].tolist() for p, s in zip(prompts, seqs, strict=True)]
+    max_new = min(len(r) for r in refs)
+    for c in (1, 3):
+        for mode in MODES:
+            r = run_level(model, ids, max_new, c, mode, CHEAP_TREES)
+            assert r["answers"] == [ref[:max_new] for ref in refs], (c, mode)
+            assert r["tokens"] == max_new * len(ids)
+            assert r["tau"] == 1.0 if mode == "plain" else r["tau"] > 1.8, (c, mode, r["tau"])
