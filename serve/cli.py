@@ -25,6 +25,9 @@ def serve(
     model: Path | None = typer.Option(
         None, "--model", "-m", help="MTP checkpoint directory. Default: the embedded SmolLM2-135M-Instruct."
     ),
+    heads: str = typer.Option(
+        "", help="Heads of the embedded model: mtp (default), eagle (the recurrent drafter) or a heads directory."
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 exposes the server)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: str | None = typer.Option(
@@ -77,8 +80,10 @@ def serve(
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter("--dtype must be float32, bfloat16 or float16")
     torch_dtype = getattr(torch, dtype)
+    if heads and model is not None:
+        raise typer.BadParameter("--heads is for the embedded model; a --model checkpoint carries its own heads")
     try:
-        loaded = load_checkpoint(model, torch_dtype) if model is not None else load_default(torch_dtype)
+        loaded = load_checkpoint(model, torch_dtype) if model is not None else load_default(torch_dtype, heads=heads)
         context = context_length(loaded.model, max_context)
     except (FileNotFoundError, ValueError, OSError, ModuleNotFoundError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)

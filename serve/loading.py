@@ -38,13 +38,23 @@ def load_checkpoint(directory: Path, dtype: Any) -> Loaded:
     return Loaded(model, tokenizer, name=directory.resolve().name)
 
 
-def load_default(dtype: Any, num_heads: int = 4) -> Loaded:
-    """The embedded SmolLM2-135M-Instruct, with shipped heads if this install has them."""
-    from mtp import MTPModel, default_model
+def load_default(dtype: Any, num_heads: int = 4, heads: str | None = None) -> Loaded:
+    """The embedded SmolLM2-135M-Instruct, with shipped heads if this install has them.
 
+    heads: a shipped head set by name ("mtp", the default; "eagle", the recurrent drafter) or a heads
+    directory trained on this base; given, it must exist (no silent fallback to untrained heads)."""
+    from mtp import MTPModel, default_model
+    from mtp.config import CONFIG_NAME
+
+    heads_dir = None
+    if heads:
+        heads_dir = default_model.resolve_heads(heads)
+        if not (heads_dir / CONFIG_NAME).exists():
+            known = ", ".join(default_model.SHIPPED_HEADS)
+            raise FileNotFoundError(f"no MTP heads in {heads_dir} (--heads: {known} or a heads directory)")
     base, tokenizer = default_model.load_default_model(dtype)
     name = default_model.DEFAULT_MODEL_NAME
-    heads_dir = _shipped_heads(default_model)
+    heads_dir = heads_dir or _shipped_heads(default_model)
     if heads_dir is not None:
         model = MTPModel.from_pretrained(heads_dir, torch_dtype=dtype, base_model=base)
         logger.info("default model %s with trained heads from %s", name, heads_dir)

