@@ -4,9 +4,10 @@
     python -m mtp.bench.drafter_accuracy --heads runs/a/heads runs/b/heads --n 24 --positions 32
 
 The text: the base model's own greedy answers (`generate()`, greedy, in --dtype, bfloat16 by default) to the
-held-out prompts of bench/heldout.py, chat and code (and follow-ups: `--kinds chat,code,followup`) reported apart. Answers are cached as token ids in a
-JSON file per base model, dtype and length under --cache-dir (default ``$MTP_CACHE_DIR/drafter_accuracy``),
-so a second run, or a run on other heads of the same base, reuses them.
+held-out prompts of bench/heldout.py, chat and code (and follow-ups: `--kinds chat,code,followup`) reported
+apart. Answers are cached as token ids in a JSON file per base model, dtype and length under --cache-dir
+(default ``$MTP_CACHE_DIR/drafter_accuracy``), so a second run, or a run on other heads of the same base, reuses
+them.
 
 Positions: for a text x_0..x_{L-1} whose answer starts at P, position t drafts from the context x_0..x_{t+1}
 (root = x_{t+1}, the token the base just chose) and depth k (1-based) guesses x_{t+k+1}: t runs over
