@@ -46,8 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-KINDS = ("chat", "code", "followup")  # bench/heldout.py SETS
-
+from .heldout import SETS as KINDS  # the held-out sets a run can score: chat, code, followup
 
 # ---- scoring one text --------------------------------------------------------------------------------------
 

@@ -169,13 +169,18 @@ def _training_user_turns(path: str | None) -> frozenset[str]:
     return frozenset(seen)
 
 
+def _excluded(path: str | None) -> set[str]:
+    """Texts (normalised) a ShareGPT pick must not repeat: the handwritten prompts and every training user turn."""
+    return {_norm(t) for texts in HANDWRITTEN.values() for t in texts} | _training_user_turns(path)
+
+
 @lru_cache(maxsize=32)
 def _sharegpt(kind: str, n: int, path: str | None) -> tuple[HeldOutPrompt, ...]:
     from mtp.train.prompt_sets import sharegpt_prompts
 
     if n <= 0:
         return ()
-    seen = {_norm(t) for texts in HANDWRITTEN.values() for t in texts} | _training_user_turns(path)
+    seen = _excluded(path)
     picked: list[HeldOutPrompt] = []
     for index, prompt_kind, text in sharegpt_prompts("heldout", path):
         key = _norm(text)
@@ -229,7 +234,7 @@ def _followups(n: int, path: str | None) -> tuple[HeldOutPrompt, ...]:
     if n <= 0:
         return ()
     training = _training_user_turns(path)
-    seen = {_norm(t) for texts in HANDWRITTEN.values() for t in texts} | training
+    seen = _excluded(path)
     openers: set[str] = set()
     picked: list[HeldOutPrompt] = []
     for index, kind, context, prompt in sharegpt_second_turns("heldout", path):
