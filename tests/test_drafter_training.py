@@ -161,6 +161,14 @@ def test_drafter_learns_every_depth(tmp_path, features):
     exported = MTPModel.from_pretrained(tmp_path / "run" / "drafter")
     assert exported.config.head_type == "eagle"
     assert exported.heads.draft_vocab_size == json.loads((feats / "draft_vocab.json").read_text()).__len__()
+    # the per-cache benchmark scores the exported drafter as the trainer's own evaluation did
+    from mtp.bench.cache_accuracy import cache_accuracy, main
+
+    rows = cache_accuracy([tmp_path / "run" / "drafter"], [feats], steps=3)
+    assert [r["features"] for r in rows] == [str(feats)] and rows[0]["tokens"] == res["heldout"]["tokens"]
+    assert rows[0]["top1"] == pytest.approx(after, abs=0.02)
+    with pytest.raises(SystemExit):  # a directory that is not a feature cache is refused before loading
+        main(["--heads", str(tmp_path / "run" / "drafter"), "--features", str(tmp_path)])
 
 
 def test_resume_is_exact(tmp_path, features):

@@ -70,3 +70,29 @@ def test_second_turns_carry_their_first_exchange(tmp_path, monkeypatch):
     assert [i for i, *_ in P.sharegpt_second_turns("heldout", path)] == [5]
     with pytest.raises(ValueError, match="turn must be"):
         P.select("train", 1, 1, path=path, turn="third")
+
+
+def test_whole_conversations_for_feature_caches(tmp_path, monkeypatch):
+    records = [
+        *RECORDS,
+        _conversation(("human", "Was ist ein Mutex? Bitte genau."), ("gpt", "Ein Schloss, " + "é" * 40)),
+        _conversation(("human", "Only a question, never answered.")),  # no assistant turn
+        _conversation(("human", "Write a haiku about rain."), ("gpt", "Soft rain on the roof")),
+    ]
+    path = _write(tmp_path, records)
+    monkeypatch.setattr(P, "HELDOUT_START", 8)
+    rows = P.conversations("train", n=10, start=1, path=path)
+    # from index 1 on, the non-ASCII one and the unanswered one are skipped; index 8 is held out
+    assert [r["sharegpt_index"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[0]["conversations"] == records[1]["conversations"]
+    assert [r["sharegpt_index"] for r in P.conversations("train", n=2, path=path)] == [0, 1]
+
+    # written as a ShareGPT array, it is a data source the feature cache reads like the packaged file
+    from mtp.train.config import DataSection
+    from mtp.train.data import load_documents
+
+    out = tmp_path / "conversations.json"
+    out.write_text(json.dumps(rows))
+    docs = load_documents(DataSection(path=str(out)))
+    assert len(docs) == 5
+    assert docs[0]["messages"][0] == {"role": "user", "content": "Tell me a story about the sea."}

@@ -127,6 +127,30 @@ def select(split: str, chat: int, code: int, path: str | None = None, turn: str 
     return rows
 
 
+def conversations(split: str, n: int, start: int = 0, path: str | None = None) -> list[dict]:
+    """``n`` whole conversations of a split from conversation index ``start`` on, as ShareGPT records, kept when
+    every turn is mostly ASCII and the conversation has an assistant turn.
+
+    Why: a drafter that trains on the base's features over ShareGPT's own answers needs no distillation (the
+    teacher's targets come from the base's hidden states at every position, whoever wrote the text), so a
+    CPU-minute buys several times the tokens of a distilled stage. ``start`` picks conversations no earlier
+    stage read as text; the split keeps them before ``HELDOUT_START``."""
+    from .sharegpt import ROLE_MAP
+
+    rows: list[dict] = []
+    for index, record in _split_records(split, path):
+        if index < start:
+            continue
+        turns = record["conversations"]
+        roles = [ROLE_MAP.get(t["from"].lower()) for t in turns]
+        if "assistant" not in roles or not all(t["value"].strip() and _ascii(t["value"]) for t in turns):
+            continue
+        rows.append({"id": record.get("id", str(index)), "sharegpt_index": index, "conversations": turns})
+        if len(rows) >= n:
+            break
+    return rows
+
+
 def write_jsonl(rows: list[dict], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--split", choices=["train", "heldout"], required=True)
-    parser.add_argument("--chat", type=int, required=True)
-    parser.add_argument("--code", type=int, required=True)
+    parser.add_argument("--chat", type=int, default=0)
+    parser.add_argument("--code", type=int, default=0)
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help="write N whole mostly-ASCII conversations as a ShareGPT JSON array (for train.features) instead",
+    )
+    parser.add_argument("--start", type=int, default=0, help="with --conversations: first conversation index")
     parser.add_argument(
         "--turn",
         choices=TURNS,
@@ -149,6 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help=".jsonl with prompt, kind, sharegpt_index (and context)")
     args = parser.parse_args(argv)
+    if args.conversations is not None:
+        records = conversations(args.split, args.conversations, args.start)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records))
+        span = f"{records[0]['sharegpt_index']}-{records[-1]['sharegpt_index']}" if records else "none"
+        print(f"{args.out}: {len(records)} conversations (indices {span}) from the {args.split} split")
+        return 0
+    if args.chat + args.code == 0:
+        parser.error("give --chat/--code (prompts) or --conversations")
     rows = select(args.split, args.chat, args.code, turn=args.turn)
     write_jsonl(rows, args.out)
     kinds = {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")}
