@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 
-def cache_accuracy(heads: list[Path], features: list[Path], steps: int = 6, micro_batch: int = 4) -> list[dict]:
-    """One row per (drafter, cache): tokens scored and top-1 per depth."""
+def cache_accuracy(heads: list[Path], features: list[Path], steps: int = 6, micro_batch: int = 4) -> Iterator[dict]:
+    """One row per (drafter, cache), as each is scored: tokens scored and top-1 per depth."""
     from mtp import MTPModel
     from mtp.train.drafter_trainer import evaluate
     from mtp.train.features import load_split
 
     held = {c: load_split(c / "eval") for c in features}
-    rows = []
     for d in heads:
         model = MTPModel.from_pretrained(d)
         if getattr(model.heads, "draft_ids", None) is None:
@@ -36,8 +36,7 @@ def cache_accuracy(heads: list[Path], features: list[Path], steps: int = 6, micr
         teacher_w = model.base_model.float().get_output_embeddings().weight.detach()[drafter.draft_ids.long()]
         for c in features:
             ev = evaluate(drafter, teacher_w.float(), held[c], steps, micro_batch)
-            rows.append({"heads": str(d), "features": str(c), "tokens": ev["tokens"], "top1": ev["top1"]})
-    return rows
+            yield {"heads": str(d), "features": str(c), "tokens": ev["tokens"], "top1": ev["top1"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.features:
         if not (c / "eval").is_dir():
             parser.error(f"{c}: no eval/ split (not a feature cache from `python -m mtp.train.features`?)")
-    rows = cache_accuracy(args.heads, args.features, args.steps)
-    for r in rows:
+    rows = []
+    for r in cache_accuracy(args.heads, args.features, args.steps):
+        rows.append(r)
         top1 = " / ".join(f"{100 * x:.1f}" for x in r["top1"])
         print(f"{r['heads']} | {r['features']} | tokens {r['tokens']} | top-1 per depth {top1}", flush=True)
     if args.json is not None:

@@ -164,7 +164,7 @@ def test_drafter_learns_every_depth(tmp_path, features):
     # the per-cache benchmark scores the exported drafter as the trainer's own evaluation did
     from mtp.bench.cache_accuracy import cache_accuracy, main
 
-    rows = cache_accuracy([tmp_path / "run" / "drafter"], [feats], steps=3)
+    rows = list(cache_accuracy([tmp_path / "run" / "drafter"], [feats], steps=3))
     assert [r["features"] for r in rows] == [str(feats)] and rows[0]["tokens"] == res["heldout"]["tokens"]
     assert rows[0]["top1"] == pytest.approx(after, abs=0.02)
     with pytest.raises(SystemExit):  # a directory that is not a feature cache is refused before loading

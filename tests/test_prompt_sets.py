@@ -86,6 +86,8 @@ def test_whole_conversations_for_feature_caches(tmp_path, monkeypatch):
     assert [r["sharegpt_index"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[0]["conversations"] == records[1]["conversations"]
     assert [r["sharegpt_index"] for r in P.conversations("train", n=2, path=path)] == [0, 1]
+    with pytest.raises(ValueError, match="training text"):  # held-out conversations never become a cache
+        P.conversations("heldout", n=2, path=path)
 
     # written as a ShareGPT array, it is a data source the feature cache reads like the packaged file
     from mtp.train.config import DataSection

@@ -133,8 +133,12 @@ def conversations(split: str, n: int, start: int = 0, path: str | None = None) -
 
     Why: a drafter that trains on the base's features over ShareGPT's own answers needs no distillation (the
     teacher's targets come from the base's hidden states at every position, whoever wrote the text), so a
-    CPU-minute buys several times the tokens of a distilled stage. ``start`` picks conversations no earlier
-    stage read as text; the split keeps them before ``HELDOUT_START``."""
+    CPU-minute buys about three times the tokens of a distilled stage. (On SmolLM2 they taught the EAGLE drafter
+    ShareGPT's text but not the model's own answers: docs/benchmarks.md.) ``start`` picks conversations no
+    earlier stage read as text. Only the training split: these are training text, and whole held-out
+    conversations would carry the held-out prompts into a cache."""
+    if split != "train":
+        raise ValueError(f"whole conversations are training text: split must be 'train', got {split!r}")
     from .sharegpt import ROLE_MAP
 
     rows: list[dict] = []
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help=".jsonl with prompt, kind, sharegpt_index (and context)")
     args = parser.parse_args(argv)
     if args.conversations is not None:
+        if args.split != "train":
+            parser.error("--conversations writes training text: use --split train")
         records = conversations(args.split, args.conversations, args.start)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
