@@ -35,7 +35,7 @@ def cache_accuracy(heads: list[Path], features: list[Path], steps: int = 6, micr
         drafter = model.heads.float()
         teacher_w = model.base_model.float().get_output_embeddings().weight.detach()[drafter.draft_ids.long()]
         for c in features:
-            ev = evaluate(drafter, teacher_w.float(), held[c], steps, micro_batch)
+            ev = evaluate(drafter, teacher_w, held[c], steps, micro_batch)
             yield {"heads": str(d), "features": str(c), "tokens": ev["tokens"], "top1": ev["top1"]}
 
 

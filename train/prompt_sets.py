@@ -185,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help=".jsonl with prompt, kind, sharegpt_index (and context)")
     args = parser.parse_args(argv)
     if args.conversations is not None:
-        if args.split != "train":
-            parser.error("--conversations writes training text: use --split train")
-        records = conversations(args.split, args.conversations, args.start)
+        try:
+            records = conversations(args.split, args.conversations, args.start)
+        except ValueError as err:  # the held-out split: a usage error, said as one
+            parser.error(f"--conversations: {err}")
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(records))
