@@ -216,11 +216,6 @@ SHIPPED_HEADS_DIR = SHIPPED_HEADS["mtp"]  # the default
 DEFAULT_BASE_SENTINEL = "default"
 
 
-def default_heads_dir() -> Path | None:
-    """The heads shipped for the default model, or None in an install that has none."""
-    return SHIPPED_HEADS_DIR if (SHIPPED_HEADS_DIR / "mtp_config.json").is_file() else None
-
-
 def resolve_heads(heads: str | Path | None) -> Path:
     """A shipped head set's name (`SHIPPED_HEADS`), a directory, or None (the default shipped heads)."""
     if heads is None:
@@ -238,16 +233,16 @@ def load_default_mtp(torch_dtype: torch.dtype = torch.float32, heads_dir: str | 
     """
     from .model import MTPModel
 
-    base, tokenizer = load_default_model(torch_dtype)
     directory = resolve_heads(heads_dir)
-    if (directory / "mtp_config.json").is_file():
+    trained = (directory / "mtp_config.json").is_file()
+    if heads_dir is not None and not trained:  # before the base loads: a typo costs no conversion
+        known = ", ".join(SHIPPED_HEADS)
+        raise FileNotFoundError(f"no MTP heads in {directory} (--heads: {known} or a heads directory)")
+    base, tokenizer = load_default_model(torch_dtype)
+    if trained:
         model = MTPModel.from_pretrained(directory, base_model=base)
-        trained = True
     else:
-        if heads_dir is not None:
-            raise FileNotFoundError(f"no MTP heads in {directory}")
         model = MTPModel.from_base(base, num_heads=4)
         model.config.base_model_name_or_path = DEFAULT_BASE_SENTINEL
-        trained = False
     model.tokenizer = tokenizer
     return model, tokenizer, trained
