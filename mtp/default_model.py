@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .config import CONFIG_NAME
 from .files import share_weights
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -234,7 +235,7 @@ def load_default_mtp(torch_dtype: torch.dtype = torch.float32, heads_dir: str | 
     from .model import MTPModel
 
     directory = resolve_heads(heads_dir)
-    trained = (directory / "mtp_config.json").is_file()
+    trained = (directory / CONFIG_NAME).is_file()
     if heads_dir is not None and not trained:  # before the base loads: a typo costs no conversion
         known = ", ".join(SHIPPED_HEADS)
         raise FileNotFoundError(f"no MTP heads in {directory} (--heads: {known} or a heads directory)")

