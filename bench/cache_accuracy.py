@@ -28,8 +28,10 @@ def cache_accuracy(heads: list[Path], features: list[Path], steps: int = 6, micr
     from mtp.train.features import load_split
 
     held = {c: load_split(c / "eval") for c in features}
+    base = None  # loaded with the first drafter, then shared: every drafter scored here drafts for one base
     for d in heads:
-        model = MTPModel.from_pretrained(d)
+        model = MTPModel.from_pretrained(d, base_model=base)
+        base = model.base_model
         if getattr(model.heads, "draft_ids", None) is None:
             raise ValueError(f"{d}: not an EAGLE drafter (no draft vocabulary); cache accuracy scores EAGLE drafters")
         drafter = model.heads.float()
