@@ -50,7 +50,7 @@ def load_default(dtype: Any, heads: str | None = None) -> Loaded:
     model, tokenizer, trained = default_model.load_default_mtp(dtype, heads or None)
     name = default_model.DEFAULT_MODEL_NAME
     if trained:
-        logger.info("default model %s with trained heads (%s)", name, heads or "mtp")
+        logger.info("default model %s with trained heads from %s", name, default_model.resolve_heads(heads or None))
         return Loaded(model, tokenizer, name)
     note = "untrained heads: output is exact, but there is no speedup until trained heads are loaded"
     logger.warning("default model %s: no trained heads shipped in this install; %s", name, note)
