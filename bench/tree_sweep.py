@@ -5,10 +5,11 @@
 
 The trainer chooses `tree_nodes` from measured accuracies and a verify-cost prior (`default_tree_size`); the
 prior does not know what drafting one more depth costs on this machine, so this measures it: plain
-`generate()` against the adaptive decoder with each candidate default tree, on prompts from the training
-split that no training step read (the tail of `data/prompts-train.jsonl`: ShareGPT conversations 0-14,999,
-well past the distilled ones), neither MT-Bench nor the held-out sets. `--write` stores the winner in the
-head set's `mtp_config.json`.
+`generate()` against the adaptive decoder with each candidate default tree, on development prompts: lines
+4,401-5,500 of `data/prompts-train.jsonl` (the README's recipe writes it), the prompts of a training stage that
+was not kept, so no shipped head set learned the model's answers to them (the EAGLE drafter's stages read every
+other line of that file, up to its end), and neither MT-Bench nor the held-out sets. `--write` stores the
+winner in the head set's `mtp_config.json`.
 
 Decoding runs from prepacked weights where this CPU can pack them (`--no-pack`: the model's own), as `mtp
 generate`, `mtp serve` and the quickstart do by default: a tree size chosen on the unpacked path is chosen for
@@ -28,10 +29,20 @@ from mtp.model import MTPModel
 
 from .methods import Method, MethodResult
 
+# The development range of data/prompts-train.jsonl (1-based, inclusive, as `sed -n`): see the module docstring.
+DEV_LINES = "4401-5500"
 
-def dev_prompts(path: Path, n: int) -> list[str]:
-    """The last n/2 chat and n/2 code prompts of the training-split prompt file."""
+
+def dev_prompts(path: Path, n: int, lines: str = DEV_LINES) -> list[str]:
+    """The last n/2 chat and n/2 code prompts of `lines` ("START-END", or "" for all) of a prompt file."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if lines:
+        start, _, end = lines.partition("-")
+        if not (start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
+            raise ValueError(f"--lines wants START-END (1-based, inclusive), got {lines!r}")
+        if int(end) > len(rows):
+            raise ValueError(f"{path} has {len(rows)} prompts, fewer than --lines {lines} asks for")
+        rows = rows[int(start) - 1 : int(end)]
     chat = [r["prompt"] for r in rows if r.get("kind") == "chat"][-(n - n // 2) :]
     code = [r["prompt"] for r in rows if r.get("kind") == "code"][-(n // 2) :]
     return [p for pair in zip(chat, code, strict=False) for p in pair]
@@ -66,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--sizes", default="8,12,16", help="candidate default tree sizes (nodes)")
     parser.add_argument("--prompts", type=Path, default=Path("data/prompts-train.jsonl"))
+    parser.add_argument(
+        "--lines", default=DEV_LINES,
+        help="which lines of --prompts to draw from (START-END, 1-based; '' for all): by default the ones no "
+        "shipped head set trained on",
+    )  # fmt: skip
     parser.add_argument("--n", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
@@ -99,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for (h, sizes), model in zip(candidates, models, strict=True)
         for n in sizes
     ]
-    ids = [chat_prompt_ids(tokenizer, p[:2000]) for p in dev_prompts(args.prompts, args.n)]
+    ids = [chat_prompt_ids(tokenizer, p[:2000]) for p in dev_prompts(args.prompts, args.n, args.lines)]
     first.generate(ids[0][:, :8], max_new_tokens=4)  # warm-up
     methods = {"plain": plain(first)} | {label: with_tree_nodes(model, size) for label, model, size in variants}
     prompts = [(i, "dev", x) for i, x in enumerate(ids)]

@@ -141,6 +141,23 @@ def test_tree_sweep_candidates_and_write_guard():
         main(["--heads", "eagle", "--heads", "mtp", "--write"])
 
 
+def test_tree_sweep_dev_prompts_come_from_the_development_lines(tmp_path):
+    """Only the lines asked for (by default those no shipped head set trained on), chat and code alternating."""
+    import json
+
+    from mtp.bench.tree_sweep import dev_prompts
+
+    rows = [{"prompt": f"{kind}{i}", "kind": kind} for i in range(1, 11) for kind in ("chat", "code")]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # line 2i-1: chat{i}, line 2i: code{i}
+    assert dev_prompts(path, 4, "5-12") == ["chat5", "code5", "chat6", "code6"]
+    assert dev_prompts(path, 2, "") == ["chat10", "code10"]
+    with pytest.raises(ValueError, match="fewer than"):
+        dev_prompts(path, 4, "5-21")
+    with pytest.raises(ValueError, match="START-END"):
+        dev_prompts(path, 4, "12-5")
+
+
 def test_tree_sweep_sizes_share_one_model():
     """Each candidate sets its own default tree size on the shared model right before decoding."""
     from types import SimpleNamespace
