@@ -15,7 +15,7 @@ from conftest import ARCHS, VOCAB, fit_heads, tiny_model
 from test_sampling import NEW, PROMPT, TREE, chi2_pvalue, exact_joint, peaked_model  # noqa: F401
 
 from mtp.batch_cache import BatchCache
-from mtp.batching import BatchDecoder, StepCost, generate_batch
+from mtp.batching import PROBE_SHARE, BatchDecoder, StepCost, generate_batch
 
 # A cost curve where a 16-node forward costs about one token's (a CPU with bf16 units): speculation pays.
 CHEAP_TREES = StepCost(tokens=(1, 16, 64, 256), seconds=(1.0, 1.05, 1.6, 4.0), draft_seconds=0.05)
@@ -298,6 +298,24 @@ def test_step_cost_measures_and_interpolates():
     assert cost.depth_seconds >= 0 and cost.draft(model.default_tree.depth) >= cost.draft(1)
     c = StepCost((1, 10), (1.0, 2.0), 0.0)
     assert c.forward(1) == 1.0 and c.forward(5.5) == pytest.approx(1.5) and c.forward(19) == pytest.approx(3.0)
+
+
+def test_probes_are_spaced_by_what_they_cost_the_whole_batch():
+    """A probe pads every row's forward to its tree: alone or where nodes are free it comes every `probe_every`
+    steps; where each node costs a token's share it comes only as often as keeps its cost under PROBE_SHARE,
+    and a plain batch of 4 rows then decodes 40 tokens without a single probe tree (16 steps apart: two each)."""
+    import math
+
+    model, train = fitted_model("llama")
+    n = min(4, len(model.default_tree))
+    free = BatchDecoder(model, cost=FLAT, prompt_lookup=False)
+    assert free._probe_interval(1) == free._probe_interval(16) == free.probe_every == 16
+    cost = StepCost(tokens=(1, 256), seconds=(1.0, 256.0), draft_seconds=0.0)  # LINEAR without drafting
+    linear = BatchDecoder(model, cost=cost, prompt_lookup=False)
+    assert linear._probe_interval(16) == math.ceil((n - 1) / PROBE_SHARE)  # forward(16 n) - forward(16) = (n-1) x 16
+    _, finish = run(linear, train, 40)
+    assert all(u.accepted_lengths and max(u.draft_tokens) == 0 for u in finish.values())
+    assert not any(key[1] for key in linear._rate)  # no step counted as a speculative one
 
 
 def test_guard_stops_speculating_at_a_batch_size_where_it_measured_slower():
