@@ -318,6 +318,27 @@ def test_probes_are_spaced_by_what_they_cost_the_whole_batch():
     assert not any(key[1] for key in linear._rate)  # no step counted as a speculative one
 
 
+def test_a_plain_plan_stands_until_the_rows_or_their_acceptance_change():
+    """While a batch decodes plain nothing the plan reads changes, so it is not recomputed: only a row joining or
+    leaving, or a new acceptance observation (a probe), makes the plan look again."""
+    model, train = fitted_model("llama")
+    engine = BatchDecoder(model, cost=LINEAR, prompt_lookup=False, probe_every=10**6)
+    calls = []
+    tree = engine._tree
+    engine._tree = lambda row, budget: (budget > 1 and calls.append(row.rid)) or tree(row, budget)  # the plan's
+    for p in train:
+        engine.add(p, 40)
+    engine.step()  # prefills, then plans for the 4 rows: plain
+    assert len(engine.rows) == 4 and engine._plan() == 1
+    seen = len(calls)
+    assert seen > 0
+    for _ in range(6):
+        engine.step()
+    assert len(calls) == seen and engine._plan() == 1  # same rows, no observation: the plan stood
+    engine._observations += 1  # what a probe's verify does
+    assert engine._plan() == 1 and len(calls) > seen
+
+
 def test_guard_stops_speculating_at_a_batch_size_where_it_measured_slower():
     """The cost curve says speculate; the measured speed of 4-row batches says plain is faster: plain it is,
     except for the periodic retry; measured the other way round, the plan stands."""
