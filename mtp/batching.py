@@ -498,8 +498,9 @@ class BatchDecoder:
         self._steps += 1
         budget = self._plan()
         B = len(self.rows)
-        every = self._probe_interval(B) if budget == 1 else 0
-        probe = budget == 1 and self._steps % every == 0
+        # (only with a speculating row: an engine of plain rows, as distillation runs, never needs the cost curve)
+        every = self._probe_interval(B) if budget == 1 and any(r.speculative for r in self.rows) else 0
+        probe = every > 0 and self._steps % every == 0
         trees, drafts, qs = [], [], []
         for i, row in enumerate(self.rows):
             room = row.max_new - len(row.out) - 1

@@ -318,6 +318,14 @@ def test_probes_are_spaced_by_what_they_cost_the_whole_batch():
     assert not any(key[1] for key in linear._rate)  # no step counted as a speculative one
 
 
+def test_an_engine_of_plain_rows_never_measures_the_cost_curve():
+    """Distillation decodes plain rows only: no plan, no probes, so no forward-cost measurement at start."""
+    model, train = fitted_model("llama")
+    engine = BatchDecoder(model, guard=False)
+    outs, _ = run(engine, train, 8, per_row=[{"speculative": False}] * len(train))
+    assert engine._cost is None and outs == [solo(model, p, 8) for p in train]
+
+
 def test_a_plain_plan_stands_until_the_rows_or_their_acceptance_change():
     """While a batch decodes plain nothing the plan reads changes, so it is not recomputed: only a row joining or
     leaving, or a new acceptance observation (a probe), makes the plan look again."""
