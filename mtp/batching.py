@@ -197,6 +197,8 @@ class BatchDecoder:
         self.half = self.dtype in (torch.bfloat16, torch.float16)
         self.default_tree = model.default_tree
         full = len(self.default_tree)
+        # a probe's tree (see `_probe_interval`): small, so it keeps one row's acceptance estimates alive cheaply
+        self.probe_nodes = min(4, full)
         # Node budgets the plan chooses from. Half precision alone (batch 1) switches the full default tree on or
         # off, as generate() does (a ~16-node verify costs about one decode step there, so smaller trees only
         # lose tokens); with company, smaller trees can pay where the full one no longer does.
@@ -486,7 +488,7 @@ class BatchDecoder:
         `PROBE_SHARE` of plain decoding, and they never come more often than every `probe_every` steps (what a
         lone row gets, whose probe costs little more than its drafting). Fixed by the measured cost curve, so
         the schedule depends on the batch alone, not on the machine's load."""
-        n = min(4, len(self.default_tree))
+        n = self.probe_nodes
         plain = self.cost.forward(B)
         extra = self.cost.forward(B * n) - plain + self.cost.draft(n - 1)
         return max(self.probe_every, math.ceil(extra / (PROBE_SHARE * plain)))
@@ -508,7 +510,7 @@ class BatchDecoder:
                 room = min(room, self.info.max_positions - 1 - self.cache.lengths[i])
             n = budget
             if probe and row.speculative and i == self._steps // every % B:
-                n = min(4, len(self.default_tree))  # keeps one row's acceptance estimates alive while plain
+                n = self.probe_nodes  # keeps one row's acceptance estimates alive while plain
             tree = self._tree(row, n)[0].limit(room)
             if self._grows(row) and len(tree) > 1:
                 grow = DynamicTree(len(tree), DYNAMIC_DEPTH, DYNAMIC_WIDTH).limit(room)

@@ -304,14 +304,14 @@ def test_probes_are_spaced_by_what_they_cost_the_whole_batch():
     """A probe pads every row's forward to its tree: alone or where nodes are free it comes every `probe_every`
     steps; where each node costs a token's share it comes only as often as keeps its cost under PROBE_SHARE,
     and a plain batch of 4 rows then decodes 40 tokens without a single probe tree (16 steps apart: two each)."""
+    import dataclasses
     import math
 
     model, train = fitted_model("llama")
     n = min(4, len(model.default_tree))
     free = BatchDecoder(model, cost=FLAT, prompt_lookup=False)
     assert free._probe_interval(1) == free._probe_interval(16) == free.probe_every == 16
-    cost = StepCost(tokens=(1, 256), seconds=(1.0, 256.0), draft_seconds=0.0)  # LINEAR without drafting
-    linear = BatchDecoder(model, cost=cost, prompt_lookup=False)
+    linear = BatchDecoder(model, cost=dataclasses.replace(LINEAR, draft_seconds=0.0), prompt_lookup=False)
     assert linear._probe_interval(16) == math.ceil((n - 1) / PROBE_SHARE)  # forward(16 n) - forward(16) = (n-1) x 16
     _, finish = run(linear, train, 40)
     assert all(u.accepted_lengths and max(u.draft_tokens) == 0 for u in finish.values())
