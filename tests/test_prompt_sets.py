@@ -72,6 +72,19 @@ def test_second_turns_carry_their_first_exchange(tmp_path, monkeypatch):
         P.select("train", 1, 1, path=path, turn="third")
 
 
+def test_a_new_stage_passes_over_the_prompts_of_earlier_ones(tmp_path, monkeypatch):
+    path = _write(tmp_path, RECORDS)
+    monkeypatch.setattr(P, "HELDOUT_START", len(RECORDS))
+    earlier = P.select("train", chat=2, code=0, path=path)
+    assert [r["sharegpt_index"] for r in earlier] == [0, 1]
+    done = P.write_jsonl(earlier, tmp_path / "stage1.jsonl")
+    assert P.read_indices([done]) == {0, 1}
+    fresh = P.select("train", chat=2, code=0, path=path, exclude=P.read_indices([done]))
+    assert [r["sharegpt_index"] for r in fresh] == [2, 3]  # as many as asked, none answered before
+    rest = P.select("train", chat=9, code=9, path=path, exclude={0, 1, 2, 3})
+    assert sorted(r["sharegpt_index"] for r in rest) == [4, 5]
+
+
 def test_whole_conversations_for_feature_caches(tmp_path, monkeypatch):
     records = [
         *RECORDS,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 HELDOUT_START = 15_000
@@ -99,9 +99,18 @@ def sharegpt_second_turns(split: str, path: str | None = None) -> Iterator[tuple
         yield index, ("code" if code else "chat"), context, prompt
 
 
-def select(split: str, chat: int, code: int, path: str | None = None, turn: str = "first") -> list[dict]:
+def select(
+    split: str,
+    chat: int,
+    code: int,
+    path: str | None = None,
+    turn: str = "first",
+    exclude: Collection[int] = (),
+) -> list[dict]:
     """``chat`` chat and ``code`` code prompts of a split, interleaved so that any prefix holds both kinds.
-    ``turn="second"``: second user turns, each with its conversation's first exchange as ``context``."""
+    ``turn="second"``: second user turns, each with its conversation's first exchange as ``context``.
+    ``exclude``: conversation indices to pass over (the prompts of earlier stages, `read_indices`), so that a
+    new training stage gets prompts no earlier stage answered."""
     if turn not in TURNS:
         raise ValueError(f"turn must be one of {TURNS}, got {turn!r}")
     if turn == "first":
@@ -110,7 +119,10 @@ def select(split: str, chat: int, code: int, path: str | None = None, turn: str 
         found = sharegpt_second_turns(split, path)
     chats: list[dict] = []
     codes: list[dict] = []
+    skip = set(exclude)
     for index, kind, context, prompt in found:
+        if index in skip:
+            continue
         bucket, want = (codes, code) if kind == "code" else (chats, chat)
         if len(bucket) < want:
             row = {"prompt": prompt, "kind": kind, "sharegpt_index": index}
@@ -155,6 +167,16 @@ def conversations(split: str, n: int, start: int = 0, path: str | None = None) -
     return rows
 
 
+def read_indices(paths: Iterable[str | Path]) -> set[int]:
+    """The ``sharegpt_index`` of every row of these .jsonl prompt files (written by this module)."""
+    found: set[int] = set()
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                found.add(int(json.loads(line)["sharegpt_index"]))
+    return found
+
+
 def write_jsonl(rows: list[dict], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -182,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         default="first",
         help="second: follow-up user turns, each with its conversation's first exchange as context",
     )
+    parser.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        metavar="JSONL",
+        help="pass over the conversations of these prompt files (earlier stages' prompts, the same --turn)",
+    )
     parser.add_argument("--out", required=True, help=".jsonl with prompt, kind, sharegpt_index (and context)")
     args = parser.parse_args(argv)
     if args.conversations is not None:
@@ -197,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.chat + args.code == 0:
         parser.error("give --chat/--code (prompts) or --conversations")
-    rows = select(args.split, args.chat, args.code, turn=args.turn)
+    rows = select(args.split, args.chat, args.code, turn=args.turn, exclude=read_indices(args.exclude))
     write_jsonl(rows, args.out)
     kinds = {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")}
     counts = f"{kinds['chat']} chat, {kinds['code']} code, {args.turn} turns"
