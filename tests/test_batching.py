@@ -308,10 +308,11 @@ def test_probes_are_spaced_by_what_they_cost_the_whole_batch():
     import math
 
     model, train = fitted_model("llama")
-    n = min(4, len(model.default_tree))
     free = BatchDecoder(model, cost=FLAT, prompt_lookup=False)
     assert free._probe_interval(1) == free._probe_interval(16) == free.probe_every == 16
     linear = BatchDecoder(model, cost=dataclasses.replace(LINEAR, draft_seconds=0.0), prompt_lookup=False)
+    n = linear.probe_nodes
+    assert n > 1
     assert linear._probe_interval(16) == math.ceil((n - 1) / PROBE_SHARE)  # forward(16 n) - forward(16) = (n-1) x 16
     _, finish = run(linear, train, 40)
     assert all(u.accepted_lengths and max(u.draft_tokens) == 0 for u in finish.values())
