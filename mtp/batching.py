@@ -14,7 +14,8 @@ generator, proposer state and acceptance statistics. One `BatchDecoder.step()`:
   3. propose    each row's proposer drafts its best tree of <= N nodes (+ its prompt-lookup chain); a greedy
                 row whose drafter grows draft-time trees (`mtp.dynamic_tree`, the EAGLE drafter) grows one of
                 N nodes instead, as `MTPModel.generate()` does alone: the plan picks the size, the drafter's
-                confidence the shape
+                confidence the shape; the growing rows draft together (`Proposer.propose_dynamic_rows`: the
+                EAGLE drafter runs each depth once for all of them, priced by `StepCost.row_share`)
   4. score      ONE forward over every row's tree, padded to the widest; row i's 4D mask lets its nodes see
                 its own prefix (and sliding window) and their ancestors, nothing of other rows or padding
   5. verify     per row, exactly as the batch-1 decoder does (greedy argmax walk, or lossless rejection
@@ -46,6 +47,7 @@ from .dynamic_tree import DYNAMIC_DEPTH, DYNAMIC_WIDTH, DynamicTree
 from .eagle import select_features
 from .kv_cache import new_cache
 from .ngram import NODE_COST_FULL, NODE_COST_HALF, NgramDraft, carry_rows
+from .proposer import Proposer
 from .sampling import SamplingParams
 from .tree import Tree, best_trees, resolve_tree
 
@@ -71,10 +73,19 @@ class StepCost:
     # Each further drafted depth: the MTP modules and the EAGLE drafter run one drafter step per depth, so a
     # deep tree's drafting can cost a row as much as its share of the verify forward (Medusa heads: ~0).
     depth_seconds: float = 0.0
+    # What each further row adds, as a share of one row's drafting, when the rows of a step draft their
+    # draft-time trees together (`Proposer.propose_dynamic_rows`): 1 where they draft one after another; the
+    # EAGLE drafter runs each depth once for all of them, so a few rows draft for little more than one.
+    row_share: float = 1.0
 
     def draft(self, depth: int) -> float:
         """Seconds of one row's drafting of a tree `depth` deep."""
         return self.draft_seconds + self.depth_seconds * max(0, depth - 1)
+
+    def together(self, rows: int) -> float:
+        """Each row's share of its drafting when `rows` rows draft together (1.0 for a lone row)."""
+        rows = max(1, rows)
+        return (1.0 + self.row_share * (rows - 1)) / rows
 
     def forward(self, n: int) -> float:
         """Seconds for a forward over n tokens: linear between measured sizes, linear growth beyond."""
@@ -125,8 +136,37 @@ class StepCost:
                     proposer.propose(root, tree)
                     best = min(best, time.perf_counter() - t)
                 drafting.append(best)
+            share = 1.0
+            if proposer.dynamic_trees and type(proposer).propose_dynamic_rows.__func__ is not (
+                Proposer.propose_dynamic_rows.__func__
+            ):
+                share = _row_share(model, hidden, prompt[0, :m], root, len(full))
         per_depth = max(0.0, drafting[1] - drafting[0]) / max(1, full.depth - 1)
-        return cls(tuple(sizes), tuple(seconds), drafting[0], per_depth)
+        return cls(tuple(sizes), tuple(seconds), drafting[0], per_depth, share)
+
+
+def _row_share(model, hidden: torch.Tensor, tokens: torch.Tensor, root: int, nodes: int, rows: int = 4) -> float:
+    """`StepCost.row_share`: one round of `rows` identical rows' draft-time trees drafted together against one
+    row's, (t_rows / t_1 - 1) / (rows - 1); each timing the best of three from the same state."""
+
+    def best(n: int) -> float:
+        proposers = []
+        for _ in range(n):
+            p = model.make_proposer()
+            p.begin(hidden, tokens)
+            proposers.append(p)
+        budget = DynamicTree(nodes, DYNAMIC_DEPTH, DYNAMIC_WIDTH)
+        kind = type(proposers[0])
+        kind.propose_dynamic_rows(proposers, [root] * n, [budget] * n)  # warm-up: feeds the prompt once
+        t_best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            kind.propose_dynamic_rows(proposers, [root] * n, [budget] * n)
+            t_best = min(t_best, time.perf_counter() - t)
+        return t_best
+
+    one = best(1)
+    return min(1.0, max(0.0, (best(rows) / one - 1.0) / (rows - 1)))
 
 
 @dataclass
@@ -420,9 +460,10 @@ class BatchDecoder:
         budgets = sorted((set(self.budgets) | set(self.budgets_alone) | {also}) - {1})
         depths = range(1, heads + 1) if cost.depth_seconds > 0 else [heads]
         best: dict[int, tuple[float, tuple, float]] = {}  # budget -> (rate, paths, expected length)
+        share = cost.together(B) if self._grows(row) else 1.0  # drafting with the batch's other rows
         for limit in depths:
             for n, choice in best_trees(budgets, limit, acc).items():
-                rate = choice.expected / (cost.forward(B * n) / B + cost.draft(choice.depth))
+                rate = choice.expected / (cost.forward(B * n) / B + cost.draft(choice.depth) * share)
                 if n not in best or rate > best[n][0] * 1.02:  # shallower first: a deeper tree must clearly win
                     best[n] = (rate, choice.paths, choice.expected)
         trees = {n: (Tree(paths), expected) for n, (_, paths, expected) in best.items()}
@@ -451,7 +492,10 @@ class BatchDecoder:
         for n in sorted(set(self.budgets if B > 1 else self.budgets_alone) - {1}):
             trees = [(r, *self._tree(r, n)) for r in self.rows]
             expected = sum(e for _, _, e in trees)
-            seconds = cost.forward(B * n) + sum(cost.draft(t.depth) for r, t, _ in trees if r.speculative)
+            together = cost.together(sum(1 for r, t, _ in trees if self._grows(r) and len(t) > 1))
+            drafting = sum(cost.draft(t.depth) * (together if self._grows(r) else 1.0) for r, t, _ in trees
+                           if r.speculative)  # fmt: skip
+            seconds = cost.forward(B * n) + drafting
             rate = expected / seconds
             # The smaller budget unless the bigger one clearly wins; with company by a wider margin, since the
             # per-row work the curve leaves out (verify, KV commit, catching the drafter up) grows with the rows.
@@ -504,6 +548,7 @@ class BatchDecoder:
         every = self._probe_interval(B) if budget == 1 and any(r.speculative for r in self.rows) else 0
         probe = every > 0 and self._steps % every == 0
         trees, drafts, qs = [], [], []
+        plans = []  # per row: (its tree of the planned size, the draft-time budget it grows instead, room)
         for i, row in enumerate(self.rows):
             room = row.max_new - len(row.out) - 1
             if self.info.max_positions is not None:
@@ -512,9 +557,14 @@ class BatchDecoder:
             if probe and row.speculative and i == self._steps // every % B:
                 n = self.probe_nodes  # keeps one row's acceptance estimates alive while plain
             tree = self._tree(row, n)[0].limit(room)
+            grow = None
             if self._grows(row) and len(tree) > 1:
                 grow = DynamicTree(len(tree), DYNAMIC_DEPTH, DYNAMIC_WIDTH).limit(room)
-                tree, draft = row.proposer.propose_dynamic(row.token, grow)
+            plans.append((tree, grow, room))
+        grown = self._grow_trees(plans)
+        for i, (row, (tree, _, room)) in enumerate(zip(self.rows, plans, strict=True)):
+            if i in grown:
+                tree, draft = grown[i]
                 q = None
             else:
                 draft, q = row.strategy.propose(row.proposer, row.token, tree) if row.proposer else (None, None)
@@ -582,6 +632,21 @@ class BatchDecoder:
             self._keep([i for i in range(len(self.rows)) if i not in set(finished)])
             if not self.has_work:
                 _trim_heap()
+
+    def _grow_trees(self, plans: list[tuple[Tree, DynamicTree | None, int]]) -> dict[int, tuple[Tree, torch.Tensor]]:
+        """The draft-time trees of this step's growing rows, drafted together per proposer class
+        (`Proposer.propose_dynamic_rows`: the EAGLE drafter runs each depth once for all of them)."""
+        groups: dict[type, list[int]] = {}
+        for i, (_, grow, _) in enumerate(plans):
+            if grow is not None:
+                groups.setdefault(type(self.rows[i].proposer), []).append(i)
+        grown: dict[int, tuple[Tree, torch.Tensor]] = {}
+        for kind, rows in groups.items():
+            proposers = [self.rows[i].proposer for i in rows]
+            roots = [self.rows[i].token for i in rows]
+            results = kind.propose_dynamic_rows(proposers, roots, [plans[i][1] for i in rows])
+            grown.update(zip(rows, results, strict=True))
+        return grown
 
     def _grows(self, row: _Row) -> bool:
         """Whether a row drafts draft-time trees: greedy (lossless sampling needs i.i.d. siblings), a drafter

@@ -94,32 +94,56 @@ class DraftNodes:
 Expand = Callable[[int, list[int], DraftNodes], tuple[torch.Tensor, torch.Tensor]]
 
 
+class Growth:
+    """One draft-time tree grown depth by depth (see the module docstring): `parents` are the nodes whose
+    children the drafter drafts next (at depth `depth`), `add` takes those children, and the growth is `done`
+    once no deeper drafting can pay. Stepwise, so a batched engine can grow many rows' trees in lockstep, one
+    drafter forward per depth for all of them (`grow` is the loop for one tree)."""
+
+    def __init__(self, root: int, budget: DynamicTree):
+        self.nodes, self.budget = DraftNodes(root), budget
+        self.keep = budget.nodes - 1
+        self.floor = math.log(budget.min_prob) if budget.min_prob > 0 else -math.inf
+        self.depth = 1
+        self.parents: list[int] = [0] if self.keep > 0 and budget.depth > 0 else []
+
+    @property
+    def done(self) -> bool:
+        return not self.parents
+
+    def add(self, tokens: torch.Tensor, logps: torch.Tensor) -> None:
+        """tokens, logps: (len(parents), w) the drafter's top-w children of every parent, most probable first."""
+        nodes = self.nodes
+        fresh = []
+        for parent, row_t, row_p in zip(self.parents, tokens.tolist(), logps.float().tolist(), strict=True):
+            base = nodes.logp[parent]
+            for rank, (tok, lp) in enumerate(zip(row_t, row_p, strict=True)):
+                fresh.append(nodes.add(parent, int(tok), rank, base + lp))
+        fresh.sort(key=lambda u: -nodes.logp[u])
+        parents = fresh[: self.budget.width]
+        k, self.depth = self.depth, self.depth + 1
+        if k == self.budget.depth or not parents or nodes.logp[parents[0]] < self.floor:
+            parents = []
+        elif len(nodes) - 1 >= self.keep:
+            cut = sorted(nodes.logp[1:], reverse=True)[self.keep - 1]
+            if nodes.logp[parents[0]] <= cut:  # nothing deeper can enter the selection
+                parents = []
+        self.parents = parents
+
+    def result(self) -> tuple[Tree, list[int], DraftNodes]:
+        """The selected tree, its draft tokens in the tree's node order (node 0 = the root), every node drafted."""
+        nodes = self.nodes
+        chosen = sorted(range(1, len(nodes)), key=lambda u: (-nodes.logp[u], nodes.depth[u], u))[: self.keep]
+        paths = {nodes.path(u): u for u in chosen}
+        tree = Tree(list(paths))
+        draft = [nodes.token[0]] + [nodes.token[paths[p]] for p in tree.paths]
+        return tree, draft, nodes
+
+
 def grow(root: int, budget: DynamicTree, expand: Expand) -> tuple[Tree, list[int], DraftNodes]:
     """Grow and select a tree (see the module docstring). Returns the tree, its draft tokens in the tree's node
     order (node 0 = `root`), and every node drafted (for callers that keep statistics)."""
-    nodes = DraftNodes(root)
-    keep = budget.nodes - 1
-    floor = math.log(budget.min_prob) if budget.min_prob > 0 else -math.inf
-    parents = [0]
-    if keep > 0:
-        for k in range(1, budget.depth + 1):
-            tokens, logps = expand(k, parents, nodes)
-            tokens, logps = tokens.tolist(), logps.float().tolist()
-            fresh = []
-            for parent, row_t, row_p in zip(parents, tokens, logps, strict=True):
-                base = nodes.logp[parent]
-                for rank, (tok, lp) in enumerate(zip(row_t, row_p, strict=True)):
-                    fresh.append(nodes.add(parent, int(tok), rank, base + lp))
-            fresh.sort(key=lambda u: -nodes.logp[u])
-            parents = fresh[: budget.width]
-            if k == budget.depth or not parents or nodes.logp[parents[0]] < floor:
-                break
-            if len(nodes) - 1 >= keep:
-                cut = sorted(nodes.logp[1:], reverse=True)[keep - 1]
-                if nodes.logp[parents[0]] <= cut:  # nothing deeper can enter the selection
-                    break
-    chosen = sorted(range(1, len(nodes)), key=lambda u: (-nodes.logp[u], nodes.depth[u], u))[:keep]
-    paths = {nodes.path(u): u for u in chosen}
-    tree = Tree(list(paths))
-    draft = [root] + [nodes.token[paths[p]] for p in tree.paths]
-    return tree, draft, nodes
+    growth = Growth(root, budget)
+    while not growth.done:
+        growth.add(*expand(growth.depth, growth.parents, growth.nodes))
+    return growth.result()

@@ -20,18 +20,26 @@ the speculative entries are cropped off the cache again.
 Only nodes with children get an entry (a leaf's output would draft nothing), so a tree of depth D costs
 D forwards of the drafter (its one layer, or each of its `num_layers`): the pending entries, then the inner
 nodes of depth 1, .., D-1.
+
+Several rows at once (`EagleProposer.propose_dynamic_rows`, the batched engine's drafting): each of those D
+forwards is a small matmul over a few entries, so a row's drafting costs about the same for 1 entry as for
+20, and B rows drafting one after another pay B x D forwards, which with a few users cost more than the
+batched verify forward itself. Drafted together, the rows' committed caches are stacked into one padded
+batch (`_RowBatch`), their pending entries fed in one forward (then appended to each row's own cache), and
+their draft-time trees grown in lockstep (`mtp.dynamic_tree.Growth`): one forward per depth for every row
+still growing, each row's entries masked to its own committed entries and ancestors, padding to nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import nn
 
-from .dynamic_tree import DraftNodes, DynamicTree, grow
+from .dynamic_tree import DraftNodes, DynamicTree, Growth, grow
 from .proposer import SEQUENTIAL_DEPTH_COST, Proposer
 from .tree import Tree
 
@@ -92,6 +100,114 @@ def _eagle_plan(tree: Tree, device: str) -> _EaglePlan:
 # a long stretch without drafting (the adaptive policy at size 1, plain steps of a loaded batch, speculative=False)
 # then holds d floats per position, as the other proposers do, instead of three times that.
 _FOLD_ROWS = 64
+
+
+# A row with more positions than this to feed (a prompt just prefilled) catches up alone before a batched
+# drafting round, instead of padding every row's catch-up to its length.
+_SOLO_CATCH_UP = 32
+
+
+class _RowBatch:
+    """Several proposers' drafter caches as one padded batch, for one drafting round (`propose_dynamic_rows`).
+
+    Slots 0..L-1 hold each row's committed entries (left-aligned, L the longest); every later forward appends
+    its entries after them. `visible` (B, slots) marks the committed slots of each row; a speculative entry
+    sees those and its own ancestors' entries. The rows' own caches receive only the committed entries of the
+    catch-up feed: the speculative ones live and die with this batch."""
+
+    def __init__(self, proposers: Sequence[EagleProposer]):
+        from transformers import DynamicCache
+
+        self.proposers = proposers
+        dr = proposers[0].drafter
+        self.dtype, self.device = dr.fc.weight.dtype, dr.fc.weight.device
+        self.drafter = dr
+        self.length = max(p.committed for p in proposers)
+        self.cache = DynamicCache()
+        lengths = torch.tensor([p.committed for p in proposers], device=self.device)
+        self.visible = torch.arange(self.length, device=self.device)[None] < lengths[:, None]
+        self.slot: list[dict[int, int]] = [{} for _ in proposers]  # per row: node -> slot of its entry
+        if self.length == 0:
+            return
+        for layer in range(len(next(p for p in proposers if p.committed).cache.layers)):
+            ref = next(p for p in proposers if p.committed).cache.layers[layer].keys
+            keys, values = [], []
+            for p in proposers:
+                pad = self.length - p.committed
+                if p.committed:
+                    lay = p.cache.layers[layer]
+                    keys.append(torch.nn.functional.pad(lay.keys, (0, 0, 0, pad)))
+                    values.append(torch.nn.functional.pad(lay.values, (0, 0, 0, pad)))
+                else:
+                    keys.append(ref.new_zeros(1, ref.shape[1], pad, ref.shape[3]))
+                    values.append(keys[-1])
+            self.cache.update(torch.cat(keys), torch.cat(values), layer)
+
+    def catch_up(self, roots: Sequence[int]) -> None:
+        """Feed every row's pending entries (`EagleProposer._commit`, padded to the longest): they join each
+        row's own cache, and their last output drafts the root's children."""
+        counts = [len(p._tokens) for p in self.proposers]
+        P = max(counts)
+        if P == 0:
+            return
+        B, d = len(self.proposers), self.drafter.hidden_size
+        hidden = torch.zeros(B, P, d, dtype=self.dtype, device=self.device)
+        tokens = torch.zeros(B, P, dtype=torch.long, device=self.device)
+        positions = torch.empty(B, P, dtype=torch.long, device=self.device)
+        for i, (p, root, n) in enumerate(zip(self.proposers, roots, counts, strict=True)):
+            positions[i] = torch.arange(p.committed, p.committed + P)
+            if n:
+                p._fold()
+                hidden[i, :n] = torch.cat(p._g) if len(p._g) > 1 else p._g[0]
+                tokens[i, :n] = torch.tensor(p._tokens[1:] + [root])
+        fresh = torch.arange(P, device=self.device)[None] < torch.tensor(counts, device=self.device)[:, None]
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril_()
+        sees = torch.cat([self.visible[:, None].expand(B, P, self.length), causal[None] & fresh[:, None]], dim=-1)
+        out = self.drafter.step(hidden, tokens, positions, self._mask(sees), self.cache)
+        L = self.length
+        for i, (p, n) in enumerate(zip(self.proposers, counts, strict=True)):
+            if not n:
+                continue
+            for layer, lay in enumerate(self.cache.layers):
+                p.cache.update(lay.keys[i : i + 1, :, L : L + n], lay.values[i : i + 1, :, L : L + n], layer)
+            p.last_out = out[i, n - 1]
+            p.committed += n
+            p._g, p._tokens = [], []
+        self.visible = torch.cat([self.visible, fresh], dim=1)
+        self.length += P
+
+    def speculative_step(
+        self, inputs: dict[int, torch.Tensor], parents: dict[int, list[int]], nodes: dict[int, DraftNodes], depth: int
+    ) -> torch.Tensor:
+        """Entries for the depth-(depth-1) `parents` of the rows still growing (row i: their parents' outputs
+        `inputs[i]`), at position n_i - 1 + (depth - 1); returns the outputs (B, S, d), row i's first
+        len(parents[i]) real."""
+        B, S, d = len(self.proposers), max(len(us) for us in parents.values()), self.drafter.hidden_size
+        hidden = torch.zeros(B, S, d, dtype=self.dtype, device=self.device)
+        tokens = torch.zeros(B, S, dtype=torch.long, device=self.device)
+        positions = torch.zeros(B, S, dtype=torch.long, device=self.device)
+        sees = torch.zeros(B, S, self.length + S, dtype=torch.bool)
+        sees[:, :, : self.length] = self.visible[:, None].cpu()
+        sees[:, torch.arange(S), self.length + torch.arange(S)] = True  # padding entries see themselves only
+        for i, us in parents.items():
+            hidden[i, : len(us)] = inputs[i]
+            tokens[i, : len(us)] = torch.tensor([nodes[i].token[u] for u in us])
+            positions[i] = self.proposers[i].committed + depth - 2
+            slot = self.slot[i]
+            slot.update((u, self.length + r) for r, u in enumerate(us))
+            for r, u in enumerate(us):
+                while u > 0:  # itself and its ancestors (every ancestor was expanded, so has an entry)
+                    sees[i, r, slot[u]] = True
+                    u = nodes[i].parent[u]
+        out = self.drafter.step(hidden, tokens, positions, self._mask(sees.to(self.device)), self.cache)
+        self.visible = torch.cat([self.visible, self.visible.new_zeros(B, S)], dim=1)
+        self.length += S
+        return out
+
+    def _mask(self, sees: torch.Tensor) -> torch.Tensor:
+        """(B, S, K) bool -> (B, 1, S, K) additive."""
+        mask = torch.zeros(sees.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~sees, torch.finfo(self.dtype).min)[:, None]
 
 
 class EagleProposer(Proposer):
@@ -253,6 +369,53 @@ class EagleProposer(Proposer):
         finally:
             self._drop_speculative()
         return tree, torch.tensor(draft, dtype=torch.long, device=device)
+
+    @classmethod
+    def propose_dynamic_rows(
+        cls, proposers: Sequence[EagleProposer], roots: Sequence[int], budgets: Sequence[DynamicTree]
+    ) -> list[tuple[Tree, torch.Tensor]]:
+        """Draft-time trees for several rows with one drafter forward per depth for all of them (see
+        "Several rows at once" in the module docstring); the same trees as each row's `propose_dynamic` up to
+        the float rounding of a padded batch."""
+        if len(proposers) == 1:
+            return [proposers[0].propose_dynamic(roots[0], budgets[0])]
+        dr = proposers[0].drafter
+        if any(p.drafter is not dr for p in proposers):
+            raise ValueError("propose_dynamic_rows: every row's proposer must share one drafter")
+        for p, root in zip(proposers, roots, strict=True):
+            if len(p._tokens) > _SOLO_CATCH_UP:  # a fresh prompt: fed alone rather than padding every row to it
+                p._commit(root)
+        batch = _RowBatch(proposers)
+        batch.catch_up(roots)
+        growths = [Growth(root, budget) for root, budget in zip(roots, budgets, strict=True)]
+        width = max(b.width for b in budgets)
+        outs = [p.last_out[None] for p in proposers]  # per row: outputs of the previous depth's entries
+        row_of: list[dict[int, int]] = [{0: 0} for _ in proposers]  # per row: node -> its row in `outs`
+        while True:
+            active = [i for i, g in enumerate(growths) if not g.done]
+            if not active:
+                break
+            if growths[active[0]].depth > 1:
+                parents = {i: growths[i].parents for i in active}
+                out = batch.speculative_step(
+                    {i: outs[i][[row_of[i][growths[i].nodes.parent[u]] for u in us]] for i, us in parents.items()},
+                    parents, {i: growths[i].nodes for i in active}, growths[active[0]].depth,
+                )  # fmt: skip
+                for i, us in parents.items():
+                    outs[i], row_of[i] = out[i, : len(us)], {u: r for r, u in enumerate(us)}
+            top = dr.logits(torch.cat([outs[i] for i in active])).float().log_softmax(dim=-1).topk(width, dim=-1)
+            tokens, logps = dr.draft_ids[top.indices], top.values
+            at = 0
+            for i in active:
+                r, w = outs[i].shape[0], budgets[i].width
+                growths[i].add(tokens[at : at + r, :w], logps[at : at + r, :w])
+                at += r
+        results = []
+        for p, g in zip(proposers, growths, strict=True):
+            tree, draft, nodes = g.result()
+            p.drafted_depth = max(nodes.depth)
+            results.append((tree, torch.tensor(draft, dtype=torch.long, device=dr.fc.weight.device)))
+        return results
 
     def propose_sampled(
         self, root: int, tree: Tree, probs: Callable[[torch.Tensor], torch.Tensor], generator

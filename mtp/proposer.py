@@ -8,7 +8,7 @@ states (n-gram lookup, say) would simply ignore them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -58,6 +58,16 @@ class Proposer:
     def propose_dynamic(self, root: int, budget: DynamicTree) -> tuple[Tree, torch.Tensor]:
         """A tree grown at draft time within `budget` and its drafts (N,), node 0 = `root` (`dynamic_trees`)."""
         raise NotImplementedError
+
+    @classmethod
+    def propose_dynamic_rows(
+        cls, proposers: Sequence[Proposer], roots: Sequence[int], budgets: Sequence[DynamicTree]
+    ) -> list[tuple[Tree, torch.Tensor]]:
+        """`propose_dynamic` for several sequences at once (a batched engine's rows, proposers of this class
+        over one drafter): row i's tree and drafts. Here one row after another; a drafter that can run its
+        depths for every row in one forward overrides it, since with a few users each row's own sequential
+        drafter steps cost more than the batched verify forward they feed."""
+        return [p.propose_dynamic(r, b) for p, r, b in zip(proposers, roots, budgets, strict=True)]
 
     def propose_sampled(
         self, root: int, tree: Tree, probs: Callable[[torch.Tensor], torch.Tensor], generator

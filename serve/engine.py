@@ -174,14 +174,6 @@ class ModelRunner:
         self.supports_sampling = all(p in params for p in ("temperature", "top_p", "top_k", "generator"))
         self.eos = _eos_ids(model)
         self._recorder: _StepRecorder | None = None
-        make = model.make_proposer
-
-        def recording_proposer() -> Any:
-            self._recorder = _StepRecorder(make())
-            return self._recorder
-
-        # The serve layer's only hook into the model: count steps as they happen (see _StepRecorder).
-        model.make_proposer = recording_proposer
 
     @property
     def num_heads(self) -> int:
@@ -211,6 +203,16 @@ class ModelRunner:
             kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, generator=generator)
         out = None
         error: str | None = None
+        make, previous = self.model.make_proposer, vars(self.model).get("make_proposer")
+
+        def recording_proposer() -> Any:
+            self._recorder = _StepRecorder(make())
+            return self._recorder
+
+        # The serve layer's only hook into the model, for this request's generate() alone: count steps as they
+        # happen (see _StepRecorder). Only here: the batched engine reads its rows' proposers' own classes
+        # (rows draft together), which a wrapper would hide.
+        self.model.make_proposer = recording_proposer
         try:
             out = self.model.generate(ids, **kwargs)
         except GenerationCancelled:
@@ -218,6 +220,11 @@ class ModelRunner:
         except Exception as e:  # a bug or an OOM must not kill the worker: report it to this client only
             logger.exception("generation failed")
             error = f"{type(e).__name__}: {e}"
+        finally:
+            if previous is None:
+                del self.model.make_proposer  # the model's own method again
+            else:
+                self.model.make_proposer = previous
         n = len(streamer.tokens)
         if out is not None:
             lengths, drafts = list(out.accepted_lengths), list(out.draft_tokens)

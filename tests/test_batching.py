@@ -296,6 +296,7 @@ def test_step_cost_measures_and_interpolates():
     cost = StepCost.measure(model, sizes=(1, 8, 32), context=16)
     assert len(cost.seconds) == 3 and all(s > 0 for s in cost.seconds) and cost.draft_seconds > 0
     assert cost.depth_seconds >= 0 and cost.draft(model.default_tree.depth) >= cost.draft(1)
+    assert cost.row_share == 1.0  # these heads' rows draft one after another (no propose_dynamic_rows of their own)
     c = StepCost((1, 10), (1.0, 2.0), 0.0)
     assert c.forward(1) == 1.0 and c.forward(5.5) == pytest.approx(1.5) and c.forward(19) == pytest.approx(3.0)
 

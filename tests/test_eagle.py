@@ -147,6 +147,57 @@ def test_greedy_output_matches_generate_and_drafts_are_accepted(arch):
 # ---- the drafter: cache reuse equals recomputation ------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama:2"])
+def test_rows_drafted_together_grow_the_trees_each_row_grows_alone(name):
+    """`propose_dynamic_rows` (the batched engine's drafting: one drafter forward per depth for every row)
+    against each row's own `propose_dynamic`, over three rounds: rows of different lengths, a fresh prompt
+    longer than the solo catch-up bound beside short ones, budgets of different sizes, depths and widths (so
+    rows stop growing at different depths), different acceptance lengths between rounds. Trees, drafts and
+    the rows' committed caches must agree (fp32; padding is masked, so only float rounding could differ)."""
+    from mtp.dynamic_tree import DynamicTree
+    from mtp.eagle_proposer import _SOLO_CATCH_UP
+
+    model, _, seqs = fitted(name)
+    base, drafter = model.base_model, model.heads
+    starts = [3, 12, _SOLO_CATCH_UP + 8, 1]
+    budgets = [DynamicTree(6, 8, 4), DynamicTree(16, 8, 4), DynamicTree(4, 2, 4), DynamicTree(8, 8, 2)]
+    with torch.inference_mode():
+        feats = [
+            select_features(base(s, output_hidden_states=True).hidden_states, drafter.feature_layers)[0] for s in seqs
+        ]
+
+        def fresh() -> list[EagleProposer]:
+            rows = []
+            for s, f, n in zip(seqs, feats, starts, strict=True):
+                p = model.make_proposer()
+                p.begin(f[:n], s[0, :n])
+                rows.append(p)
+            return rows
+
+        alone, together = fresh(), fresh()
+        pos = list(starts)
+        for accepted in ([0, 0, 0, 0], [2, 0, 3, 1], [1, 4, 0, 2]):
+            for i, a in enumerate(accepted):  # the base kept the root and `a` drafts: those positions are fed
+                if a or pos[i] != starts[i]:
+                    for rows in (alone, together):
+                        rows[i].observe(feats[i][pos[i] : pos[i] + a + 1], seqs[i][0, pos[i] : pos[i] + a + 1])
+                    pos[i] += a + 1
+            roots = [int(s[0, n]) for s, n in zip(seqs, pos, strict=True)]
+            want = [p.propose_dynamic(r, b) for p, r, b in zip(alone, roots, budgets, strict=True)]
+            got = EagleProposer.propose_dynamic_rows(together, roots, budgets)
+            for i, ((t1, d1), (t2, d2)) in enumerate(zip(want, got, strict=True)):
+                assert t1.paths == t2.paths and d1.tolist() == d2.tolist(), (name, accepted, i)
+                assert len(t1) > 1
+            for a, b in zip(alone, together, strict=True):
+                assert a.committed == b.committed == b.cache.get_seq_length()
+                assert a.drafted_depth == b.drafted_depth
+                torch.testing.assert_close(a.last_out, b.last_out, rtol=1e-4, atol=1e-5)
+                for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+                    torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
+    # the rounds above grew trees of different depths in one batch
+    assert len({p.drafted_depth for p in together}) > 1
+
+
 @pytest.mark.parametrize("arch,layers", [("llama", 1), ("gpt2", 1), ("llama", 2)])
 def test_proposer_drafts_equal_drafts_from_scratch(arch, layers):
     """Steps with changing trees (wider, deeper and shallower than before), random acceptance lengths, steps
@@ -370,13 +421,13 @@ def test_batch_decoder_rows_match_their_own_generate(name, tree, monkeypatch):
     from mtp.eagle_proposer import EagleProposer
 
     grown = []
-    original = EagleProposer.propose_dynamic
+    original = EagleProposer.propose_dynamic_rows.__func__
 
-    def spy(self, root, budget):
-        grown.append(budget)
-        return original(self, root, budget)
+    def spy(cls, proposers, roots, budgets):
+        grown.extend(budgets)
+        return original(cls, proposers, roots, budgets)
 
-    monkeypatch.setattr(EagleProposer, "propose_dynamic", spy)
+    monkeypatch.setattr(EagleProposer, "propose_dynamic_rows", classmethod(spy))
     model, prompts, _ = fitted(name)
     train = [p[0].tolist() for p in prompts]
     long = torch.randint(3, VOCAB, (21,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -397,7 +448,33 @@ def test_batch_decoder_rows_match_their_own_generate(name, tree, monkeypatch):
     else:
         assert grown == []
     cost = StepCost.measure(model, sizes=(1, 4), context=24)  # drafts with an eagle proposer too
-    assert cost.draft_seconds > 0
+    assert cost.draft_seconds > 0 and 0.0 <= cost.row_share <= 1.0
+
+
+def test_the_plan_prices_rows_that_draft_together():
+    """Four EAGLE rows whose drafting alone costs 0.6 forwards each: one after another (`row_share` 1) the
+    batch decodes plain, drafted together (each further row adds 5%) it speculates; a lone row speculates
+    either way. Every request decodes exactly what it decodes alone."""
+    import dataclasses
+
+    model, prompts, _ = fitted("llama")
+    train = [p[0].tolist() for p in prompts]
+    alone = StepCost(tokens=(1, 100000), seconds=(1.0, 1.0), draft_seconds=0.6)
+    together = dataclasses.replace(alone, row_share=0.05)
+    assert alone.together(4) == 1.0 and together.together(1) == 1.0
+    assert together.together(4) == pytest.approx(1.15 / 4)
+    for cost, speculates in ((alone, False), (together, True)):
+        engine = BatchDecoder(model, guard=False, cost=cost, prompt_lookup=False, probe_every=10**9)
+        for p in train:
+            engine.add(p, 30)
+        engine.step()
+        assert len(engine.rows) == 4 and (engine._plan() > 1) == speculates, cost
+        lone = BatchDecoder(model, guard=False, cost=cost, prompt_lookup=False)
+        lone.add(train[0], 30)
+        lone.step()
+        assert lone._plan() > 1
+    outs, _ = run(BatchDecoder(model, guard=False, cost=together, prompt_lookup=False), train, 30)
+    assert outs == [solo(model, p, 30) for p in train]
 
 
 # ---- construction errors ----------------------------------------------------------------------------------
@@ -450,3 +527,71 @@ def test_batch_trees_bench_levels_decode_every_prompt_exactly():
             assert r["answers"] == [ref[:max_new] for ref in refs], (c, mode)
             assert r["tokens"] == max_new * len(ids)
             assert r["tau"] == 1.0 if mode == "plain" else r["tau"] > 1.8, (c, mode, r["tau"])
+
+
+def test_batch_profile_times_the_engine_phases_and_restores_them():
+    """bench/batch_profile.py: its timers see drafting (rows together, or one after another with `/alone`),
+    the batched forward and verification of an EAGLE batch, the answers stay exact, and every patched
+    method is itself again afterwards."""
+    import contextlib
+    from collections import defaultdict
+
+    from mtp.batching import BatchDecoder as Engine
+    from mtp.bench.batch_profile import rows_drafting_alone, timed_engine_phases
+    from mtp.bench.batch_trees import run_level
+
+    model, prompts, seqs = fitted("llama")
+    ids = [p[0].tolist() for p in prompts]
+    refs = [s[0, p.shape[1] : p.shape[1] + 20].tolist() for p, s in zip(prompts, seqs, strict=True)]
+    before = (dict(vars(Engine)), dict(vars(EagleProposer)))
+    solo_calls = {}
+    for alone in (False, True):
+        totals, counts = defaultdict(float), defaultdict(int)
+        with rows_drafting_alone() if alone else contextlib.nullcontext():
+            with timed_engine_phases(totals, counts):
+                r = run_level(model, ids, 20, 4, "dynamic", CHEAP_TREES)
+        assert r["answers"] == refs
+        assert {"step (total)", "drafting", "batched forward", "verify", "KV commit"} <= set(totals), totals
+        assert totals["step (total)"] >= totals["batched forward"] + totals["drafting"] > 0
+        solo_calls[alone] = counts["drafting: catch-up feed"]
+    # together, the rows' catch-up feeds are one batched feed per step; alone, one per row
+    assert solo_calls[True] > 2 * solo_calls[False] > 0
+    assert (dict(vars(Engine)), dict(vars(EagleProposer))) == before
+
+
+def test_the_server_decodes_concurrent_requests_with_an_eagle_drafter(tmp_path):
+    """`mtp serve` on an EAGLE checkpoint: the batched engine grows each greedy request's draft-time tree with
+    the other requests' (`propose_dynamic_rows`, priced at startup by `StepCost.measure`). Six concurrent
+    requests each get the text of the base's own greedy generate(), and the server verified accepted drafts."""
+    import concurrent.futures
+    import copy
+
+    import openai
+    from test_serve_support import Server, word_tokenizer, words
+
+    model, prompts, seqs = fitted("llama")
+    served = copy.deepcopy(model)
+    served.tokenizer = word_tokenizer()
+    served.base_model.generation_config.eos_token_id = None
+    served.save_pretrained(tmp_path)
+    ids = [p[0].tolist() for p in prompts] + [seqs[2][0, :20].tolist(), seqs[3][0, :9].tolist()]
+    want = [served.tokenizer.decode(solo(model, p, 30)) for p in ids]
+    server = Server(tmp_path, "--served-model-name", "tiny", "--speculation", "on")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def call(p: list[int]) -> str:
+            return (
+                client.completions.create(model="tiny", prompt=words(p), max_tokens=30, temperature=0).choices[0].text
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+            got = list(pool.map(call, ids))
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    assert got == want
+    assert metrics['mtp:batch_size_bucket{le="1"}'] < metrics["mtp:batch_size_count"]  # decoded together
+    drafts, accepted = metrics["mtp:spec_decode_num_drafts_total"], metrics["mtp:spec_decode_num_accepted_tokens_total"]
+    # the plan sizes trees from timings (tiny models: drafting is dear), so τ varies; untrained drafts give ~1.0
+    assert drafts > 0 and 1 + accepted / drafts > 1.3
