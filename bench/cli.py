@@ -36,7 +36,7 @@ def _cpu_name() -> str:
 
 def bench(
     model: str = typer.Option("default", help="'default' (SmolLM2 + shipped heads) or an MTP checkpoint dir."),
-    heads: str = typer.Option("", help="Heads dir for the default model, or a shipped set: mtp (default), eagle."),
+    heads: str = typer.Option("", help="Heads dir for the default model, or a shipped set: eagle (default), mtp."),
     limit: int = typer.Option(80, help="MT-Bench questions (round-robin over categories)."),
     prompts: str = typer.Option(ALL_SETS, help="Comma-separated prompt sets, each reported apart: " + KNOWN_SETS),
     heldout_n: int = typer.Option(24, help="Prompts per held-out set (heldout-chat, heldout-code)."),

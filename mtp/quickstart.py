@@ -39,7 +39,7 @@ def quickstart(
     prompt: str = typer.Option(DEFAULT_PROMPT, help="The user message to answer."),
     max_new_tokens: int = typer.Option(128, help="Answer length cap."),
     dtype: str = typer.Option("float32", help="float32 (exact) or bfloat16."),
-    heads: str = typer.Option("", help="Heads directory, or a shipped set for SmolLM2: mtp (default), eagle."),
+    heads: str = typer.Option("", help="Heads directory, or a shipped set for SmolLM2: eagle (default), mtp."),
     tree: str = typer.Option("auto", help="auto (adaptive) | default | chain | <node count>."),
     train_minutes: float = typer.Option(
         0.0, help="First train fresh MTP heads for this many minutes (cached: a second run reuses them)."

@@ -26,7 +26,7 @@ def serve(
         None, "--model", "-m", help="MTP checkpoint directory. Default: the embedded SmolLM2-135M-Instruct."
     ),
     heads: str = typer.Option(
-        "", help="Heads of the embedded model: mtp (default), eagle (the recurrent drafter) or a heads directory."
+        "", help="Heads of the embedded model: eagle (default), mtp (the MTP modules) or a heads directory."
     ),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 exposes the server)."),
     port: int = typer.Option(8000, help="TCP port."),

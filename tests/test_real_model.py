@@ -37,13 +37,13 @@ def shipped(request):
     return model, tokenizer
 
 
-def test_the_default_heads_are_the_shipped_mtp_modules():
-    """Loading without a name gives the MTP modules (the set the decode test below covers as "mtp")."""
+def test_the_default_heads_are_the_shipped_eagle_drafter():
+    """Loading without a name gives the EAGLE drafter (the set the decode test below covers as "eagle")."""
     from mtp.default_model import load_default_mtp
 
     default, _, trained = load_default_mtp(torch.float32)
-    named, _, _ = load_default_mtp(torch.float32, "mtp")
-    assert trained and default.config.head_type == "mtp"
+    named, _, _ = load_default_mtp(torch.float32, "eagle")
+    assert trained and default.config.head_type == "eagle"
     want = named.heads.state_dict()
     got = default.heads.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

