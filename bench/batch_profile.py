@@ -23,10 +23,12 @@ from pathlib import Path
 import torch
 
 
-@contextmanager
 def timed_engine_phases(totals: dict[str, float], counts: dict[str, int]):
-    """Patch the engine's phase functions so each call adds its wall time to totals[phase]; restore on exit."""
+    """The batched engine's phases, timed into totals[phase] and counted into counts[phase]
+    (`mtp.bench.profile.timed_methods`; a proposer without draft-time trees has no such phase of its own)."""
     from mtp import adaptive, batch_cache, batching, decoding, eagle_proposer, ngram, proposer
+
+    from .profile import timed_methods
 
     targets = [
         (batching.BatchDecoder, "step", "step (total)"),
@@ -49,27 +51,7 @@ def timed_engine_phases(totals: dict[str, float], counts: dict[str, int]):
         (eagle_proposer.EagleProposer, "observe", "proposer observe"),
         (adaptive.AdaptiveDraft, "observe", "policy observe"),
     ]
-    saved = []
-    for cls, name, phase in targets:
-        if name not in vars(cls):  # inherited (e.g. a proposer without draft-time trees): not its own phase
-            continue
-        original = vars(cls)[name]
-        saved.append((cls, name, original))
-
-        def wrapper(*args, _f=original, _p=phase, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _f(*args, **kwargs)
-            finally:
-                totals[_p] += time.perf_counter() - t0
-                counts[_p] += 1
-
-        setattr(cls, name, wrapper)
-    try:
-        yield
-    finally:
-        for cls, name, original in saved:
-            setattr(cls, name, original)
+    return timed_methods(targets, totals, counts)
 
 
 @contextmanager

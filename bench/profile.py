@@ -23,8 +23,36 @@ from mtp import adaptive, decoding, eagle_proposer, ngram, proposer
 
 
 @contextmanager
+def timed_methods(targets, totals: dict[str, float], counts: dict[str, int] | None = None):
+    """Patch each (class, method name, phase) so every call adds its wall time to totals[phase] (and one to
+    counts[phase]); restore on exit. A method the class only inherits is left alone: it is not its own phase.
+    Shared by this profiler and the batched engine's (`bench/batch_profile.py`)."""
+    saved = []
+    for cls, name, phase in targets:
+        if name not in vars(cls):
+            continue
+        original = vars(cls)[name]
+        saved.append((cls, name, original))
+
+        def wrapper(*args, _f=original, _p=phase, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                totals[_p] += time.perf_counter() - t0
+                if counts is not None:
+                    counts[_p] += 1
+
+        setattr(cls, name, wrapper)
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
+
+
 def timed_phases(totals: dict[str, float]):
-    """Patch the phase functions so each call adds its wall time to totals[phase]; restore on exit."""
+    """The phases of `mtp.decoding.speculative_generate`, timed into totals[phase] (`timed_methods`)."""
     targets = [
         (decoding.TreeScorer, "score", "verify forward"),
         (decoding.TreeScorer, "keep", "KV crop"),
@@ -38,24 +66,7 @@ def timed_phases(totals: dict[str, float]):
         (adaptive.AdaptiveDraft, "update", "adaptive policy"),
         (adaptive.AdaptiveDraft, "tree", "adaptive policy"),
     ]
-    saved = []
-    for cls, name, phase in targets:
-        original = getattr(cls, name)
-        saved.append((cls, name, original))
-
-        def wrapper(*args, _f=original, _p=phase, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _f(*args, **kwargs)
-            finally:
-                totals[_p] += time.perf_counter() - t0
-
-        setattr(cls, name, wrapper)
-    try:
-        yield
-    finally:
-        for cls, name, original in saved:
-            setattr(cls, name, original)
+    return timed_methods(targets, totals)
 
 
 def bare_forward_ms(model: torch.nn.Module, ids: torch.Tensor, repeats: int = 20) -> float:
