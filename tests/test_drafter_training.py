@@ -327,6 +327,52 @@ def test_training_scores_only_the_entries_that_carry_loss(features, monkeypatch)
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_the_greedy_target_term_adds_its_weighted_cross_entropy(features, monkeypatch):
+    """`hard_weight` adds, per depth, that weight times the cross-entropy against the base's greedy token,
+    over the scored entries whose greedy token the draft vocabulary holds (the others keep the soft term
+    only); evaluation never adds it."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from mtp.heads import build_heads
+    from mtp.train.drafter_trainer import _batch, depth_losses
+    from mtp.train.features import VOCAB, load_base, load_split
+
+    monkeypatch.setattr("mtp.train.drafter_trainer.autocast", contextlib.nullcontext)
+    model, feats, info = features
+    base, _ = load_base(str(model), torch.float32)
+    vocab = torch.tensor(json.loads((feats / VOCAB).read_text()))
+    torch.manual_seed(0)
+    drafter = build_heads("eagle", base_model=base, hidden_size=base.config.hidden_size,
+                          vocab_size=base.config.vocab_size, num_heads=3, feature_layers=info["feature_layers"],
+                          draft_vocab_size=len(vocab))  # fmt: skip
+    drafter.set_draft_vocab(vocab, base)
+    drafter.float().eval()
+    teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
+    batch = _batch(load_split(feats / "eval"), [0, 1, 2, 3])
+    steps, w = 3, 0.7
+    soft, _ = depth_losses(drafter, teacher_w, batch, steps)
+    mixed, _ = depth_losses(drafter, teacher_w, batch, steps, hard_weight=w)
+    ids, mask, target = batch["input_ids"], batch["loss_mask"], batch["target"]
+    T = ids.shape[1]
+    where = {int(t): i for i, t in enumerate(vocab)}
+    outside = 0
+    for j, logits in enumerate(drafter.unroll(batch["aux"].float(), ids, steps)):
+        L = T - j - 2
+        valid = mask[:, j + 2 : j + 2 + L]
+        student, greedy = logits[:, :L][valid], target[:, j + 1 : j + 1 + L][valid]
+        held = torch.tensor([int(g) in where for g in greedy])
+        outside += int((~held).sum())
+        index = torch.tensor([where[int(g)] for g in greedy[held]])
+        hard = F.nll_loss(F.log_softmax(student[held], -1), index)
+        torch.testing.assert_close(mixed[j], soft[j] + w * hard)
+    assert outside > 0  # the tiny cache's draft vocabulary misses some greedy tokens: they are skipped
+    counts = [torch.zeros(9, dtype=torch.long) for _ in range(steps)]
+    evaluated, _ = depth_losses(drafter, teacher_w, batch, steps, None, counts, hard_weight=w)
+    torch.testing.assert_close(torch.stack(evaluated), torch.stack(soft))
+
+
 def test_conditional_rank_probabilities_follow_the_draft_chain(tmp_path, features):
     """cond_rank_probs counts depth j only where depths < j drafted the teacher's token (which the text then
     continues with), checked against a loop over positions; the export hands them to the tree builder."""

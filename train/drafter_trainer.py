@@ -69,6 +69,8 @@ class DrafterOptions:
     # warm start: the weights of an earlier drafter (a checkpoint-N directory or an exported drafter) trained
     # on the same draft vocabulary; the optimizer, the lr schedule and the step count start fresh
     init_from: Path | None = None
+    # weight of a cross-entropy against the base's greedy token beside the soft targets (see depth_losses)
+    hard_weight: float = 0.0
     export_only: bool = False  # evaluate the latest checkpoint and export it, without training further
 
 
@@ -99,6 +101,7 @@ def depth_losses(
     steps: int,
     ranks: list | None = None,
     cond_ranks: list | None = None,
+    hard_weight: float = 0.0,
 ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
     """Per-depth soft cross-entropy (mean over valid positions) and (correct, counted) top-1 per depth.
 
@@ -107,14 +110,17 @@ def depth_losses(
     the same only where the draft chain up to that depth would have been accepted (every shallower depth's
     top-1 was the teacher's greedy token, which is also the text's next token): what the tree builder's
     independence model needs, P(rank r right | parent right). Unconditional counts understate the deep
-    depths, since a depth's misses cluster where a shallower depth already missed."""
+    depths, since a depth's misses cluster where a shallower depth already missed.
+
+    `hard_weight` (training only) adds that weight times the cross-entropy against the teacher's greedy token
+    (where the draft vocabulary holds it): greedy decoding accepts a draft only when it is the base's argmax,
+    and the soft targets alone leave the drafter's argmax to chance where the base's top two are close."""
     aux, ids, final = batch["aux"], batch["input_ids"], batch["final"]
     mask, target = batch["loss_mask"], batch["target"]
     B, T = ids.shape
     with autocast():  # bf16 where the CPU multiplies it in hardware; fp32 elsewhere (20x faster there)
         outs = drafter.unroll_outputs(aux.float(), ids, steps)
     losses, acc = [], []
-    draft_ids = drafter.draft_ids
     # Entry (j, t) guesses x_{t+j+2}; the teacher's distribution for it is the base's at position p = t+j+1,
     # and it is scored iff x_{p+1} carries loss, whatever the depth. So the teacher is computed once, at
     # the positions some depth scores, and `row` maps p-1 to its row.
@@ -123,6 +129,10 @@ def depth_losses(
         teacher_rows = F.softmax(final[:, 1 : T - 1][scored].float() @ teacher_w.T, dim=-1)
         row = (scored.reshape(-1).long().cumsum(0) - 1).view(B, T - 2)
     chain = torch.ones(B, T, dtype=torch.bool)  # the chain at t was accepted up to this depth
+    draft_ids = drafter.draft_ids
+    if hard_weight:
+        index = torch.full((int(draft_ids.max()) + 1,), -1, dtype=torch.long)
+        index[draft_ids] = torch.arange(draft_ids.numel())
     for j, h in enumerate(outs):
         L = T - j - 2
         if L <= 0:
@@ -154,7 +164,14 @@ def depth_losses(
             correct = int((draft_ids[student.argmax(-1)] == greedy).sum())
             if ranks is not None:
                 ranks[j] += _rank_histogram(student, greedy, draft_ids)
-        losses.append(-(teacher * F.log_softmax(student, dim=-1)).sum(-1).mean())
+        logp = F.log_softmax(student, dim=-1)
+        loss = -(teacher * logp).sum(-1).mean()
+        if hard_weight and cond_ranks is None:
+            where = index[greedy.clamp(max=index.numel() - 1)].where(greedy < index.numel(), -1)
+            hit = where >= 0
+            if hit.any():
+                loss = loss + hard_weight * F.nll_loss(logp[hit], where[hit])
+        losses.append(loss)
         acc.append((correct, int(valid.sum())))
     return losses, acc
 
@@ -420,7 +437,7 @@ def train_drafter(opts: DrafterOptions) -> dict[str, Any]:
         for g in optim.param_groups:
             g["lr"] = _lr(step, opts)
         c0 = time.process_time()
-        losses, acc = depth_losses(drafter, teacher_w, train.rows(rows), opts.steps)
+        losses, acc = depth_losses(drafter, teacher_w, train.rows(rows), opts.steps, hard_weight=opts.hard_weight)
         loss = sum(opts.decay**j * lval for j, lval in enumerate(losses))
         optim.zero_grad(set_to_none=True)
         loss.backward()
