@@ -277,19 +277,13 @@ def test_a_deeper_drafter_grows_from_a_shallower_one(tmp_path, features):
         train_drafter(_opts(model, feats, tmp_path / "shallow", init_from=deep / "checkpoint-20", max_steps=1))
 
 
-def test_training_scores_only_the_entries_that_carry_loss(features, monkeypatch):
-    """A training step projects only the scored entries to the draft vocabulary and computes the teacher only
-    where some depth reads it; its per-depth losses, top-1 counts and gradients equal the plain computation
-    over every position (here with a third of the targets masked out, as prompts are in chat data)."""
-    import contextlib
-
-    import torch.nn.functional as F
-
+def _fresh_drafter_and_batch(features) -> tuple:
+    """A fresh three-depth fp32 drafter over the tiny cache's draft vocabulary (seed 0), the teacher's projection
+    onto that vocabulary, and the first four eval blocks: what the depth_losses tests compute on."""
     from mtp.heads import build_heads
-    from mtp.train.drafter_trainer import _batch, depth_losses
+    from mtp.train.drafter_trainer import _batch
     from mtp.train.features import VOCAB, load_base, load_split
 
-    monkeypatch.setattr("mtp.train.drafter_trainer.autocast", contextlib.nullcontext)  # fp32 on any CPU
     model, feats, info = features
     base, _ = load_base(str(model), torch.float32)
     vocab = torch.tensor(json.loads((feats / VOCAB).read_text()))
@@ -298,9 +292,23 @@ def test_training_scores_only_the_entries_that_carry_loss(features, monkeypatch)
                           vocab_size=base.config.vocab_size, num_heads=3, feature_layers=info["feature_layers"],
                           draft_vocab_size=len(vocab))  # fmt: skip
     drafter.set_draft_vocab(vocab, base)
-    drafter.float().train()
     teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
-    batch = _batch(load_split(feats / "eval"), [0, 1, 2, 3])
+    return drafter.float(), teacher_w, _batch(load_split(feats / "eval"), [0, 1, 2, 3])
+
+
+def test_training_scores_only_the_entries_that_carry_loss(features, monkeypatch):
+    """A training step projects only the scored entries to the draft vocabulary and computes the teacher only
+    where some depth reads it; its per-depth losses, top-1 counts and gradients equal the plain computation
+    over every position (here with a third of the targets masked out, as prompts are in chat data)."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from mtp.train.drafter_trainer import depth_losses
+
+    monkeypatch.setattr("mtp.train.drafter_trainer.autocast", contextlib.nullcontext)  # fp32 on any CPU
+    drafter, teacher_w, batch = _fresh_drafter_and_batch(features)
+    drafter.train()
     keep = torch.rand(batch["loss_mask"].shape, generator=torch.Generator().manual_seed(0)) > 0.33
     batch["loss_mask"] = batch["loss_mask"] & keep
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -335,22 +343,13 @@ def test_the_greedy_target_term_adds_its_weighted_cross_entropy(features, monkey
 
     import torch.nn.functional as F
 
-    from mtp.heads import build_heads
-    from mtp.train.drafter_trainer import _batch, depth_losses
-    from mtp.train.features import VOCAB, load_base, load_split
+    from mtp.train.drafter_trainer import RANKS, depth_losses
+    from mtp.train.features import VOCAB
 
     monkeypatch.setattr("mtp.train.drafter_trainer.autocast", contextlib.nullcontext)
-    model, feats, info = features
-    base, _ = load_base(str(model), torch.float32)
-    vocab = torch.tensor(json.loads((feats / VOCAB).read_text()))
-    torch.manual_seed(0)
-    drafter = build_heads("eagle", base_model=base, hidden_size=base.config.hidden_size,
-                          vocab_size=base.config.vocab_size, num_heads=3, feature_layers=info["feature_layers"],
-                          draft_vocab_size=len(vocab))  # fmt: skip
-    drafter.set_draft_vocab(vocab, base)
-    drafter.float().eval()
-    teacher_w = base.get_output_embeddings().weight.detach()[vocab].float()
-    batch = _batch(load_split(feats / "eval"), [0, 1, 2, 3])
+    drafter, teacher_w, batch = _fresh_drafter_and_batch(features)
+    drafter.eval()
+    vocab = json.loads((features[1] / VOCAB).read_text())  # the cache's own list, not the drafter's copy
     steps, w = 3, 0.7
     soft, _ = depth_losses(drafter, teacher_w, batch, steps)
     mixed, _ = depth_losses(drafter, teacher_w, batch, steps, hard_weight=w)
@@ -368,7 +367,7 @@ def test_the_greedy_target_term_adds_its_weighted_cross_entropy(features, monkey
         hard = F.nll_loss(F.log_softmax(student[held], -1), index)
         torch.testing.assert_close(mixed[j], soft[j] + w * hard)
     assert outside > 0  # the tiny cache's draft vocabulary misses some greedy tokens: they are skipped
-    counts = [torch.zeros(9, dtype=torch.long) for _ in range(steps)]
+    counts = [torch.zeros(RANKS + 1, dtype=torch.long) for _ in range(steps)]
     evaluated, _ = depth_losses(drafter, teacher_w, batch, steps, None, counts, hard_weight=w)
     torch.testing.assert_close(torch.stack(evaluated), torch.stack(soft))
 

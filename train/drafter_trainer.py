@@ -130,8 +130,8 @@ def depth_losses(
         row = (scored.reshape(-1).long().cumsum(0) - 1).view(B, T - 2)
     chain = torch.ones(B, T, dtype=torch.bool)  # the chain at t was accepted up to this depth
     draft_ids = drafter.draft_ids
-    if hard_weight:
-        index = torch.full((int(draft_ids.max()) + 1,), -1, dtype=torch.long)
+    if hard_weight:  # base id -> draft index, -1 outside the draft vocabulary
+        index = torch.full((drafter.vocab_size,), -1, dtype=torch.long)
         index[draft_ids] = torch.arange(draft_ids.numel())
     for j, h in enumerate(outs):
         L = T - j - 2
@@ -167,7 +167,7 @@ def depth_losses(
         logp = F.log_softmax(student, dim=-1)
         loss = -(teacher * logp).sum(-1).mean()
         if hard_weight and cond_ranks is None:
-            where = index[greedy.clamp(max=index.numel() - 1)].where(greedy < index.numel(), -1)
+            where = index[greedy]
             hit = where >= 0
             if hit.any():
                 loss = loss + hard_weight * F.nll_loss(logp[hit], where[hit])
