@@ -14,6 +14,16 @@ What it costs: a second copy of every packed weight (the model's own weights sta
 saving and `generate()`): +270 MB for SmolLM2 in bf16. And packed weights are a snapshot: weights changed
 after packing are not seen until the model is packed again.
 
+bf16 on a CPU without bf16 matmul units (AVX2 only, most AMD Zen 2-3 and older Intel parts): there torch's
+bf16 matmul reads the whole weight once per row, so a forward over k rows costs about k one-row forwards
+(SmolLM2-135M, 2 AVX2 cores: 8 rows 3.8x, 16 rows 7.4x one row) and a tree verify costs several plain steps:
+speculation in bf16 ran at 0.70x of plain bf16 `generate()` there. Such weights are packed as fp32 copies
+(`upcasts`): a step of several rows (a verify, drafting, a prompt, batched rows) multiplies in fp32 from the
+blocked layout, which reads each weight once whatever the row count (8 rows ~1.3x one row), and rounds the
+result back to bf16; a one-row step keeps the model's own bf16 kernel, the one `generate()` runs. The copy is
+fp32: +540 MB for SmolLM2. Rounding differs from bf16's own kernel like any change of kernel: the benchmark
+counts every bf16 difference with its logit margin.
+
 `packed_copy(module)` returns a copy of a module tree that shares every tensor with the original except that
 each `nn.Linear` (and the drafting projection) runs from a packed weight. Nothing of the original changes.
 """
@@ -24,6 +34,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 # The row count oneDNN lays a weight out for (`_reorder_linear_weight`'s batch-size hint). Decoding runs
@@ -46,7 +57,7 @@ def bf16_matmul_units() -> bool:
 
 def unpackable_reason(module: nn.Module) -> str | None:
     """Why `module`'s weights cannot be packed here (None: they can): packing needs a CPU module, oneDNN, and
-    fp32 weights or bf16 ones on a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX)."""
+    fp32 or bf16 weights (bf16 ones become fp32 copies on a CPU without bf16 matmul units: `upcasts`)."""
     param = next(module.parameters(), None)
     if param is None:
         return "the module has no weights"
@@ -56,8 +67,6 @@ def unpackable_reason(module: nn.Module) -> str | None:
         return f"the weights are {param.dtype}; bfloat16 or float32 can be packed"
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
-    if param.dtype == torch.bfloat16 and not bf16_matmul_units():
-        return "bfloat16 weights need a CPU with bf16 matmul units (AVX512-BF16 or AMX); use float32 here"
     return None
 
 
@@ -66,21 +75,40 @@ def can_pack(module: nn.Module) -> bool:
     return unpackable_reason(module) is None
 
 
-class PackedLinear(nn.Module):
-    """`F.linear(x, weight, bias)` from a weight kept in oneDNN's layout (a frozen copy: inference only)."""
+def upcasts(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` are packed as fp32 copies here: bf16 on a CPU without bf16 matmul units, where
+    bf16's own kernel reads the weight once per row (the module docstring has the numbers)."""
+    return dtype == torch.bfloat16 and not bf16_matmul_units()
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+
+class PackedLinear(nn.Module):
+    """`F.linear(x, weight, bias)` from a weight kept in oneDNN's layout (a frozen copy: inference only).
+
+    `upcast` (default: `upcasts(weight.dtype)`): a bf16 weight is packed as an fp32 copy; inputs of several rows
+    are multiplied in fp32 and the result rounded to bf16, one row runs bf16's own `F.linear`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = weight  # the original, shared (code that reads a layer's dtype and device finds it)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT.get(weight.dtype, 1))
-        self.bias = None if bias is None else bias.detach()
+        self.upcast = (upcasts(weight.dtype) if upcast is None else upcast) and weight.dtype != torch.float32
+        compute = torch.float32 if self.upcast else weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute), BATCH_HINT.get(compute, 1))
+        self.own_bias = None if bias is None else bias.detach()  # for upcast one-row steps
+        self.bias = None if bias is None else bias.detach().to(compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.weight.dtype), self.packed, self.bias, "none", [], "")
+        x = x.to(self.weight.dtype)
+        if not self.upcast:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.numel() == self.in_features:  # one row: the model's own kernel, as a plain decode step runs it
+            return F.linear(x, self.weight, self.own_bias)
+        out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "")
+        return out.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        kind = "packed as fp32" if self.upcast else "packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 def packed_copy(module: nn.Module) -> nn.Module:

@@ -11,7 +11,7 @@ from test_mtp_modules import fit
 from torch import nn
 from torch.nn import functional as F
 
-from mtp import MTPModel
+from mtp import MTPModel, packed
 from mtp.draft_vocab import DraftProjection
 from mtp.packed import PackedLinear, bf16_matmul_units, can_pack, packed_copy
 
@@ -37,7 +37,7 @@ def _counting_packed(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_computes_the_linear(dtype):
     if dtype == torch.bfloat16 and not BF16:
-        pytest.skip("this CPU has no oneDNN bf16 support")
+        pytest.skip("this CPU has no oneDNN bf16 support (test_bf16_upcast_* cover bf16 here)")
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=g).to(dtype)
     bias = torch.randn(96, generator=g).to(dtype)
@@ -50,6 +50,64 @@ def test_packed_linear_computes_the_linear(dtype):
                 assert torch.equal(got, want)  # the same oneDNN kernel, so the same bits
             else:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_upcast_linear_runs_one_row_in_bf16_and_several_in_fp32():
+    """Without bf16 matmul units bf16 weights are packed as fp32 copies: one row keeps bf16's own kernel (the
+    bits of a plain decode step), several rows are the fp32 product of the same bf16 numbers, rounded to bf16."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(96, generator=g).to(torch.bfloat16)
+    for b in (None, bias):
+        layer = PackedLinear(weight, b, upcast=True)
+        assert layer.upcast and layer.weight is weight and layer.packed.dtype == torch.float32
+        for rows in (1, 2, 9, 33):
+            x = torch.randn(1, rows, 64, generator=g).to(torch.bfloat16)
+            got = layer(x)
+            assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
+            if rows == 1:
+                assert torch.equal(got, F.linear(x, weight, b))
+            else:
+                fp32 = F.linear(x.float(), weight.float(), None if b is None else b.float())
+                torch.testing.assert_close(got.float(), fp32, rtol=8e-3, atol=1e-2)  # one bf16 rounding
+    assert not PackedLinear(weight.float(), upcast=True).upcast  # fp32 weights are packed as they are
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_bf16_weights_are_upcast_exactly_where_the_cpu_has_no_bf16_units(monkeypatch, units):
+    monkeypatch.setattr(packed, "bf16_matmul_units", lambda: units)
+    assert packed.upcasts(torch.bfloat16) is not units and not packed.upcasts(torch.float32)
+    base = tiny_model("llama").to(torch.bfloat16)
+    assert packed.unpackable_reason(base) is None  # bf16 packs everywhere, as fp32 copies where it must
+    if units and not BF16:
+        return  # packing bf16 in oneDNN's bf16 layout needs the units themselves
+    layers = [m for m in packed_copy(base).modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.upcast is not units for m in layers)
+
+
+def test_bf16_upcast_decoding_matches_bf16_generate_with_most_drafts_accepted(fitted, monkeypatch):
+    """bf16 on a CPU without bf16 matmul units: verify steps run from fp32 copies, and output stays the bf16
+    base's own `generate()` (identical here; a difference would have to sit at a near-tie, where bf16's own
+    kernels already disagree with each other)."""
+    monkeypatch.setattr(packed, "bf16_matmul_units", lambda: False)
+    fitted_model, prompts, _ = fitted("llama")
+    model = copy.deepcopy(fitted_model).to(torch.bfloat16).pack_decoding()
+    base = model.base_model
+    assert all(m.upcast for m in model._packed[0].modules() if isinstance(m, PackedLinear))
+    calls = _counting_packed(monkeypatch)
+    taus = []
+    for ids in prompts:
+        ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+        for tree in ("chain", None):
+            out = model.generate(ids, max_new_tokens=40, tree=tree, return_dict_in_generate=True)
+            taus.append(out.tau)
+            if not torch.equal(out.sequences, ref):
+                i = int((out.sequences[0] != ref[0]).nonzero()[0])
+                with torch.no_grad():
+                    top2 = base(ref[:, :i]).logits[0, -1].float().topk(2).values
+                assert top2[0] - top2[1] <= 2 * 2.0**-7 * top2[0].abs(), (tree, i, top2)  # two bf16 ulps
+    assert calls and max(calls) > 2  # tree steps ran from the fp32 copies
+    assert min(taus) > 2.0, taus
 
 
 def test_packed_copy_shares_every_tensor_and_leaves_the_original_alone():
