@@ -36,6 +36,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
+from .packed import bf16_matmul_units
 from .tree import DEFAULT_ACCURACIES, Path, Tree, best_trees, build_tree
 
 # Drafting itself (running the heads, top-k, building the step's inputs), relative to one decode step; the
@@ -72,6 +75,52 @@ PRIOR_COST_HALF = {
     48: 1.6,
     64: 1.9,
 }
+
+
+# bf16 on a CPU without bf16 matmul units (AVX2 only). From the model's own weights torch's bf16 kernel reads every
+# weight once per row, so k tokens cost about k one-token forwards (SmolLM2-135M, 2 AVX2 cores, bench/verify_cost.py:
+# 1.7 / 2.2 / 3.2 / 4.5 / 7.1 at k = 2 / 4 / 6 / 8 / 16): drafting hardly ever pays. Prepacked, the weights are fp32
+# copies (mtp.packed) and the curve is nearly flat again, from a dearer start (1.14 / 1.5 / 1.4 / 1.5 / 1.7; a
+# 6-node tree verify ~1.55 one-token steps). These stay a little optimistic for the reason given above.
+PRIOR_COST_HALF_FP32_COPIES = {
+    1: 1.0,
+    2: 1.15,
+    3: 1.3,
+    4: 1.4,
+    6: 1.45,
+    8: 1.5,
+    12: 1.6,
+    16: 1.7,
+    24: 2.0,
+    32: 2.3,
+    48: 3.0,
+    64: 3.6,
+}
+PRIOR_COST_HALF_EMULATED = {
+    1: 1.0,
+    2: 1.7,
+    3: 1.9,
+    4: 2.2,
+    6: 3.2,
+    8: 4.5,
+    12: 5.8,
+    16: 7.1,
+    24: 10.5,
+    32: 14.0,
+    48: 21.0,
+    64: 28.0,
+}
+
+
+def half_precision_prior(device: torch.device, dtype: torch.dtype, packed: bool) -> dict[int, float]:
+    """The cost curve that steers half-precision decoding (untimed): chosen from what the hardware and runtime
+    are, never from a clock, so that bf16 greedy output stays the same on a busy machine as on a quiet one.
+
+    bf16 on a CPU without bf16 matmul units has its own curves (prepacked as fp32 copies or not); everything
+    else (bf16 matmul units, a GPU, fp16) keeps `PRIOR_COST_HALF`."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or bf16_matmul_units():
+        return PRIOR_COST_HALF
+    return PRIOR_COST_HALF_FP32_COPIES if packed else PRIOR_COST_HALF_EMULATED
 
 
 class AdaptiveDraft:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adaptive import LADDER, PRIOR_COST, PRIOR_COST_HALF, AdaptiveDraft
+from .adaptive import LADDER, PRIOR_COST, AdaptiveDraft, half_precision_prior
 from .arch import BaseInfo, describe
 from .checkpoint import (
     apply_heads_state,
@@ -355,14 +355,15 @@ class MTPModel(nn.Module):
             # only the full default tree or no drafting at all: the default tree's size is already the one
             # that measured fastest on development prompts (bench/tree_sweep.py), and it keeps its shape
             # (reshaped ones measured slower: 2.09x vs 2.17x, MT-Bench 80).
-            half = next(self.base_model.parameters()).dtype in (torch.bfloat16, torch.float16)
+            param = next(self.base_model.parameters())
+            half = param.dtype in (torch.bfloat16, torch.float16)
             default = self.default_tree  # built from the config on each access: once per call
             full = len(default)
             step_tree = AdaptiveDraft(
                 self.config.num_heads,
                 full,
                 self.config.head_accuracies,
-                prior_cost=PRIOR_COST_HALF if half else PRIOR_COST,
+                prior_cost=half_precision_prior(param.device, param.dtype, self.packed) if half else PRIOR_COST,
                 timed=not (do_sample or half),
                 ladder=(1, full) if half else LADDER,
                 shapes={full: default} if half else None,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import VOCAB, random_heads, tiny_model
 
+from mtp import adaptive
 from mtp.adaptive import PRIOR_COST_HALF, AdaptiveDraft
 from mtp.proposer import SEQUENTIAL_DEPTH_COST
 from mtp.tree import Tree, best_first, build_tree
@@ -74,6 +76,7 @@ def test_half_precision_greedy_does_not_read_the_clock(fitted, monkeypatch):
 
     from mtp import decoding
 
+    monkeypatch.setattr(adaptive, "bf16_matmul_units", lambda: True)  # the curve under which trees are drafted
     model, prompts, _ = fitted("llama")
     half = copy.deepcopy(model).to(torch.bfloat16)
     real = decoding.time.perf_counter
@@ -116,6 +119,7 @@ def test_half_precision_default_drafts_the_default_tree_or_nothing(fitted, monke
 
     from mtp import decoding
 
+    monkeypatch.setattr(adaptive, "bf16_matmul_units", lambda: True)  # the curve under which trees are drafted
     model, prompts, _ = fitted("llama")
     half = copy.deepcopy(model).to(torch.bfloat16)
     seen: list[Tree] = []
@@ -190,3 +194,42 @@ def test_generate_reports_drafting_time_and_depth_to_the_policy(fitted, monkeypa
     drafted = [c for c in calls if len(c[0]) > 1]
     assert drafted
     assert all(0.0 < d <= s and depth == tree.depth for tree, s, d, depth in drafted)
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_half_precision_prior_follows_the_cpu_and_the_runtime(monkeypatch, units):
+    """bf16 on a CPU without bf16 matmul units gets its own untimed cost curve: steep from the model's own
+    weights (a tree costs about one forward per node there), nearly flat from fp32 copies (`mtp.packed`)."""
+    monkeypatch.setattr(adaptive, "bf16_matmul_units", lambda: units)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    for packed in (False, True):
+        curve = adaptive.half_precision_prior(cpu, bf16, packed)
+        if units:
+            assert curve is PRIOR_COST_HALF
+        else:
+            assert curve is (adaptive.PRIOR_COST_HALF_FP32_COPIES if packed else adaptive.PRIOR_COST_HALF_EMULATED)
+        assert adaptive.half_precision_prior(cpu, torch.float16, packed) is PRIOR_COST_HALF
+        assert adaptive.half_precision_prior(torch.device("cuda"), bf16, packed) is PRIOR_COST_HALF
+    assert adaptive.PRIOR_COST_HALF_EMULATED[6] > 3 * PRIOR_COST_HALF[6]
+
+
+def test_half_precision_without_bf16_units_drafts_only_where_it_pays(fitted, monkeypatch):
+    """From the model's own bf16 weights on such a CPU a verify costs about a forward per node: the policy
+    decodes plain rather than run trees that would be slower; from fp32 copies the accurate heads draft."""
+    import copy
+
+    from mtp import packed
+
+    for module in (adaptive, packed):
+        monkeypatch.setattr(module, "bf16_matmul_units", lambda: False)
+    model, prompts, _ = fitted("llama")
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    ref = half.base_model.generate(prompts[1], max_new_tokens=48, do_sample=False)
+    taus = {}
+    for pack in (False, True):
+        if pack:
+            half.pack_decoding()
+        out = half.generate(prompts[1], max_new_tokens=48, prompt_lookup=False, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        taus[pack] = out.tau
+    assert taus[False] < 1.5 < 2.5 < taus[True], taus
