@@ -19,7 +19,7 @@ bf16 matmul reads the whole weight once per row, so a forward over k rows costs 
 (SmolLM2-135M, 2 AVX2 cores: 8 rows 3.8x, 16 rows 7.4x one row) and a tree verify costs several plain steps:
 speculation in bf16 ran at 0.70x of plain bf16 `generate()` there. Such weights are packed as fp32 copies
 (`upcasts`): a step of several rows (a verify, drafting, a prompt, batched rows) multiplies in fp32 from the
-blocked layout, which reads each weight once whatever the row count (8 rows ~1.3x one row), and rounds the
+blocked layout, which reads each weight once whatever the row count (8 rows ~1.5x one row), and rounds the
 result back to bf16; a one-row step keeps the model's own bf16 kernel, the one `generate()` runs. The copy is
 fp32: +540 MB for SmolLM2. Rounding differs from bf16's own kernel like any change of kernel: the benchmark
 counts every bf16 difference with its logit margin.
