@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .packed import bf16_matmul_units
+from .packed import upcasts
 from .tree import DEFAULT_ACCURACIES, Path, Tree, best_trees, build_tree
 
 # Drafting itself (running the heads, top-k, building the step's inputs), relative to one decode step; the
@@ -118,7 +118,7 @@ def half_precision_prior(device: torch.device, dtype: torch.dtype, packed: bool)
 
     bf16 on a CPU without bf16 matmul units has its own curves (prepacked as fp32 copies or not); everything
     else (bf16 matmul units, a GPU, fp16) keeps `PRIOR_COST_HALF`."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or bf16_matmul_units():
+    if device.type != "cpu" or not upcasts(dtype):  # upcasts: bf16 on a CPU without bf16 matmul units
         return PRIOR_COST_HALF
     return PRIOR_COST_HALF_FP32_COPIES if packed else PRIOR_COST_HALF_EMULATED
 

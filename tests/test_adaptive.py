@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import VOCAB, random_heads, tiny_model
 
-from mtp import adaptive
+from mtp import adaptive, packed
 from mtp.adaptive import PRIOR_COST_HALF, AdaptiveDraft
 from mtp.proposer import SEQUENTIAL_DEPTH_COST
 from mtp.tree import Tree, best_first, build_tree
@@ -76,7 +76,7 @@ def test_half_precision_greedy_does_not_read_the_clock(fitted, monkeypatch):
 
     from mtp import decoding
 
-    monkeypatch.setattr(adaptive, "bf16_matmul_units", lambda: True)  # the curve under which trees are drafted
+    monkeypatch.setattr(packed, "bf16_matmul_units", lambda: True)  # the curve under which trees are drafted
     model, prompts, _ = fitted("llama")
     half = copy.deepcopy(model).to(torch.bfloat16)
     real = decoding.time.perf_counter
@@ -119,7 +119,7 @@ def test_half_precision_default_drafts_the_default_tree_or_nothing(fitted, monke
 
     from mtp import decoding
 
-    monkeypatch.setattr(adaptive, "bf16_matmul_units", lambda: True)  # the curve under which trees are drafted
+    monkeypatch.setattr(packed, "bf16_matmul_units", lambda: True)  # the curve under which trees are drafted
     model, prompts, _ = fitted("llama")
     half = copy.deepcopy(model).to(torch.bfloat16)
     seen: list[Tree] = []
@@ -200,16 +200,16 @@ def test_generate_reports_drafting_time_and_depth_to_the_policy(fitted, monkeypa
 def test_half_precision_prior_follows_the_cpu_and_the_runtime(monkeypatch, units):
     """bf16 on a CPU without bf16 matmul units gets its own untimed cost curve: steep from the model's own
     weights (a tree costs about one forward per node there), nearly flat from fp32 copies (`mtp.packed`)."""
-    monkeypatch.setattr(adaptive, "bf16_matmul_units", lambda: units)
+    monkeypatch.setattr(packed, "bf16_matmul_units", lambda: units)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    for packed in (False, True):
-        curve = adaptive.half_precision_prior(cpu, bf16, packed)
+    for prepacked in (False, True):
+        curve = adaptive.half_precision_prior(cpu, bf16, prepacked)
         if units:
             assert curve is PRIOR_COST_HALF
         else:
-            assert curve is (adaptive.PRIOR_COST_HALF_FP32_COPIES if packed else adaptive.PRIOR_COST_HALF_EMULATED)
-        assert adaptive.half_precision_prior(cpu, torch.float16, packed) is PRIOR_COST_HALF
-        assert adaptive.half_precision_prior(torch.device("cuda"), bf16, packed) is PRIOR_COST_HALF
+            assert curve is (adaptive.PRIOR_COST_HALF_FP32_COPIES if prepacked else adaptive.PRIOR_COST_HALF_EMULATED)
+        assert adaptive.half_precision_prior(cpu, torch.float16, prepacked) is PRIOR_COST_HALF
+        assert adaptive.half_precision_prior(torch.device("cuda"), bf16, prepacked) is PRIOR_COST_HALF
     assert adaptive.PRIOR_COST_HALF_EMULATED[6] > 3 * PRIOR_COST_HALF[6]
 
 
@@ -218,10 +218,7 @@ def test_half_precision_without_bf16_units_drafts_only_where_it_pays(fitted, mon
     decodes plain rather than run trees that would be slower; from fp32 copies the accurate heads draft."""
     import copy
 
-    from mtp import packed
-
-    for module in (adaptive, packed):
-        monkeypatch.setattr(module, "bf16_matmul_units", lambda: False)
+    monkeypatch.setattr(packed, "bf16_matmul_units", lambda: False)
     model, prompts, _ = fitted("llama")
     half = copy.deepcopy(model).to(torch.bfloat16)
     ref = half.base_model.generate(prompts[1], max_new_tokens=48, do_sample=False)
