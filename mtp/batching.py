@@ -33,10 +33,12 @@ from __future__ import annotations
 import collections
 import ctypes
 import inspect
+import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -97,6 +99,32 @@ class StepCost:
                 return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
         return ys[-1] + slope * (n - xs[-1])
+
+    def save(self, path: str | Path) -> None:
+        """Write the curve as JSON, so a later start can price its plans with it (`load`)."""
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCost:
+        """A curve written by `save`. Loading one instead of measuring at startup makes every start plan the
+        same trees for the same batch (and starts faster); a file that is not such a curve raises ValueError."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            cost = cls(
+                tokens=tuple(int(n) for n in raw["tokens"]),
+                seconds=tuple(float(s) for s in raw["seconds"]),
+                draft_seconds=float(raw["draft_seconds"]),
+                depth_seconds=float(raw.get("depth_seconds", 0.0)),
+                row_share=float(raw.get("row_share", 1.0)),
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path} is not a step-cost curve (JSON written by StepCost.save): {e}") from None
+        xs, ys = cost.tokens, cost.seconds
+        if not xs or len(xs) != len(ys) or list(xs) != sorted(set(xs)) or xs[0] < 1:
+            raise ValueError(f"{path}: 'tokens' must be ascending positive sizes, one per entry of 'seconds'")
+        if min(ys) <= 0 or min(cost.draft_seconds, cost.depth_seconds, cost.row_share) < 0:
+            raise ValueError(f"{path}: seconds must be positive, drafting costs and row_share non-negative")
+        return cost
 
     @classmethod
     def measure(cls, model, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256), context: int = 256) -> StepCost:

@@ -58,8 +58,13 @@ class BatchScheduler:
     ):
         self.runner, self.max_queue, self.own_thread = runner, max_queue, own_thread
         self.on_start, self.on_finish, self.on_step = on_start, on_finish, on_step
+        # (a decoder rebuilt after a failed step keeps the runner's cost curve: the same plans as before)
         self._make = lambda: BatchDecoder(
-            runner.model, max_batch_size=max_batch_size, max_kv_tokens=max_kv_tokens, tree=runner.tree
+            runner.model,
+            max_batch_size=max_batch_size,
+            max_kv_tokens=max_kv_tokens,
+            tree=runner.tree,
+            cost=runner.step_cost,
         )
         self.decoder = self._make()
         self._incoming: collections.deque[Job] = collections.deque()
@@ -132,7 +137,9 @@ class BatchScheduler:
         as with one thread, 4.8 ms on the main thread with two), which cost the serial server a third of its
         batch-1 speed."""
         try:
-            self.decoder.cost  # measure the forward-cost curve now, on this thread, not on the first request  # noqa: B018
+            # measure the forward-cost curve now (unless the runner brought one), on this thread, not on the
+            # first request
+            self.runner.step_cost = self.decoder.cost
             self._loop(alive)
         finally:
             self._done.set()

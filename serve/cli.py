@@ -48,6 +48,12 @@ def serve(
         help="Draft tree: auto (sized per step by load; grown at draft time by drafters that can, greedy) | "
         "auto-static | default | chain | <node count> | JSON rank paths.",
     ),
+    step_cost: Path | None = typer.Option(
+        None,
+        help="JSON file of the forward-cost curve that prices each step's tree: read if it exists (no timing at "
+        "startup; every start plans the same trees for the same batch), else measured at startup and written "
+        "there. Measure on the machine and with the --dtype/--threads/--pack you serve with.",
+    ),
     threads: int | None = typer.Option(None, min=1, help="torch CPU threads (default: torch's choice)."),
     pack: bool = typer.Option(True, help=PACK_HELP),
     speculation: str = typer.Option(
@@ -89,7 +95,27 @@ def serve(
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
     _pack_decoding(loaded.model, pack)
-    runner = ModelRunner(loaded.model, loaded.tokenizer, tree=None if tree == "auto" else _parse_tree(tree))
+    cost = None
+    if step_cost is not None:
+        from mtp.batching import StepCost
+
+        if step_cost.exists():
+            try:
+                cost = StepCost.load(step_cost)
+            except (ValueError, OSError) as e:
+                typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+                raise typer.Exit(code=2) from None
+        else:
+            cost = StepCost.measure(loaded.model)
+            try:
+                cost.save(step_cost)
+            except OSError as e:
+                typer.secho(f"error: cannot write the step-cost curve: {e}", fg=typer.colors.RED, err=True)
+                raise typer.Exit(code=2) from None
+            logging.getLogger("mtp.serve").info("measured the step-cost curve, written to %s", step_cost)
+    runner = ModelRunner(
+        loaded.model, loaded.tokenizer, tree=None if tree == "auto" else _parse_tree(tree), step_cost=cost
+    )
     default_speculative = speculation == "on" or (speculation == "auto" and loaded.trained_heads)
     note = loaded.note
     if not default_speculative:

@@ -17,12 +17,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .metrics import SpecDecodingStats
 from .streaming import IncrementalDetokenizer, StopMatcher
+
+if TYPE_CHECKING:
+    from mtp.batching import StepCost
 
 logger = logging.getLogger("mtp.serve")
 
@@ -164,8 +167,10 @@ class _RequestStreamer:
 class ModelRunner:
     """Owns the model and tokenizer; runs one request at a time on the calling (worker) thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, tree: Any = None):
+    def __init__(self, model: Any, tokenizer: Any, tree: Any = None, step_cost: StepCost | None = None):
         self.model, self.tokenizer, self.tree = model, tokenizer, tree
+        # the batched engine's forward-cost curve (`mtp.batching.StepCost`); None: measured at startup
+        self.step_cost = step_cost
         # A private copy for decoding on the worker thread: HF fast tokenizers are not safe to encode on
         # one thread while another decodes ("RuntimeError: Already borrowed"); the event loop encodes.
         self._decoder = copy.deepcopy(tokenizer)

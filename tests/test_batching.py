@@ -301,6 +301,26 @@ def test_step_cost_measures_and_interpolates():
     assert c.forward(1) == 1.0 and c.forward(5.5) == pytest.approx(1.5) and c.forward(19) == pytest.approx(3.0)
 
 
+def test_step_cost_saves_loads_and_refuses_what_is_not_a_curve(tmp_path):
+    c = StepCost((1, 8, 64), (1e-3, 1.5e-3, 4e-3), 2e-4, depth_seconds=1e-4, row_share=0.3)
+    c.save(tmp_path / "c.json")
+    assert StepCost.load(tmp_path / "c.json") == c
+    bad = {
+        "not json": "{",
+        "a list": "[1, 2]",
+        "no drafting": '{"tokens": [1], "seconds": [0.1]}',
+        "sizes not ascending": '{"tokens": [8, 1], "seconds": [0.1, 0.2], "draft_seconds": 0}',
+        "one size short": '{"tokens": [1, 8], "seconds": [0.1], "draft_seconds": 0}',
+        "zero seconds": '{"tokens": [1], "seconds": [0], "draft_seconds": 0}',
+        "negative drafting": '{"tokens": [1], "seconds": [0.1], "draft_seconds": -1}',
+    }
+    for why, text in bad.items():
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match="bad.json"):
+            StepCost.load(tmp_path / "bad.json")
+            pytest.fail(why)
+
+
 def test_probes_are_spaced_by_what_they_cost_the_whole_batch():
     """A probe pads every row's forward to its tree: alone or where nodes are free it comes every `probe_every`
     steps; where each node costs a token's share it comes only as often as keeps its cost under PROBE_SHARE,

@@ -561,13 +561,19 @@ def test_batch_profile_times_the_engine_phases_and_restores_them():
 
 def test_the_server_decodes_concurrent_requests_with_an_eagle_drafter(tmp_path):
     """`mtp serve` on an EAGLE checkpoint: the batched engine grows each greedy request's draft-time tree with
-    the other requests' (`propose_dynamic_rows`, priced at startup by `StepCost.measure`). Six concurrent
-    requests each get the text of the base's own greedy generate(), and the server verified accepted drafts."""
+    the other requests' (`propose_dynamic_rows`). Six concurrent requests each get the text of the base's own
+    greedy generate(), and the server verified accepted drafts.
+
+    The plan prices trees with a `--step-cost` curve in which drafting is cheap: a curve measured on the test
+    machine can price a tiny model's drafting above what it brings (CI once decoded every step plain), and
+    this test is about serving the drafts, not about when they pay."""
     import concurrent.futures
     import copy
 
     import openai
     from test_serve_support import Server, word_tokenizer, words
+
+    from mtp.batching import StepCost
 
     model, prompts, seqs = fitted("llama")
     served = copy.deepcopy(model)
@@ -576,7 +582,9 @@ def test_the_server_decodes_concurrent_requests_with_an_eagle_drafter(tmp_path):
     served.save_pretrained(tmp_path)
     ids = [p[0].tolist() for p in prompts] + [seqs[2][0, :20].tolist(), seqs[3][0, :9].tolist()]
     want = [served.tokenizer.decode(solo(model, p, 30)) for p in ids]
-    server = Server(tmp_path, "--served-model-name", "tiny", "--speculation", "on")
+    cost = tmp_path / "step-cost.json"
+    StepCost(tokens=(1, 256), seconds=(1e-3, 1.2e-3), draft_seconds=1e-5, depth_seconds=1e-5, row_share=0.2).save(cost)
+    server = Server(tmp_path, "--served-model-name", "tiny", "--speculation", "on", "--step-cost", str(cost))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -593,5 +601,4 @@ def test_the_server_decodes_concurrent_requests_with_an_eagle_drafter(tmp_path):
     assert got == want
     assert metrics['mtp:batch_size_bucket{le="1"}'] < metrics["mtp:batch_size_count"]  # decoded together
     drafts, accepted = metrics["mtp:spec_decode_num_drafts_total"], metrics["mtp:spec_decode_num_accepted_tokens_total"]
-    # the plan sizes trees from timings (tiny models: drafting is dear), so τ varies; untrained drafts give ~1.0
-    assert drafts > 0 and 1 + accepted / drafts > 1.3
+    assert drafts > 0 and 1 + accepted / drafts > 1.3  # untrained drafts give ~1.0

@@ -277,3 +277,37 @@ def test_serve_heads_option_picks_a_shipped_set_and_refuses_what_is_not_there(tm
     assert loaded.model.config.head_type == "mtp" and loaded.trained_heads
     default = load_default(torch.float32).model  # the default set
     assert default.config.head_type == "eagle" and default.make_proposer().dynamic_trees
+
+
+def test_serve_step_cost_file_is_measured_once_then_reused_and_a_bad_one_is_refused(tmp_path, monkeypatch):
+    """`mtp serve --step-cost F`: with no F the startup measures the curve and writes it there; with F the
+    server prices its plans with F's curve, untimed; a file that is not a curve stops the start with a clear
+    error (exit 2) instead of serving with a made-up curve."""
+    from typer.testing import CliRunner
+
+    import mtp.serve.app
+    from mtp.batching import StepCost
+    from mtp.cli import app
+
+    model = random_heads(tiny_model("llama", seed=3), seed=3)
+    model.tokenizer = word_tokenizer()
+    model.save_pretrained(tmp_path / "ckpt")
+    runners = []
+
+    def no_server(runner, config):  # stop after the runner is built: what it carries is what the engine gets
+        runners.append(runner)
+        raise RuntimeError("not serving in this test")
+
+    monkeypatch.setattr(mtp.serve.app, "create_app", no_server)
+    cost = tmp_path / "cost.json"
+    args = ["serve", "--model", str(tmp_path / "ckpt"), "--step-cost", str(cost), "--threads", "1"]
+    CliRunner().invoke(app, args)
+    measured = StepCost.load(cost)
+    assert runners[-1].step_cost == measured and measured.draft_seconds > 0
+    cheap = StepCost((1, 64), (1e-3, 2e-3), 1e-6)
+    cheap.save(cost)
+    CliRunner().invoke(app, args)
+    assert runners[-1].step_cost == cheap and len(runners) == 2
+    cost.write_text('{"tokens": [1, 8], "seconds": [0.001]}')
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "is not a step-cost curve" in res.output and len(runners) == 2
