@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .packed import upcasts
+from . import packed as packing
 from .tree import DEFAULT_ACCURACIES, Path, Tree, best_trees, build_tree
 
 # Drafting itself (running the heads, top-k, building the step's inputs), relative to one decode step; the
@@ -96,6 +96,24 @@ PRIOR_COST_HALF_FP32_COPIES = {
     48: 3.0,
     64: 3.6,
 }
+# Prepacked for mtp.bf16_avx2's kernel (the bf16 weights blocked, multiplied in fp32, half the bytes of the copies),
+# relative to a one-token bf16 step (SmolLM2-135M, 2 AVX2 cores, interleaved runs in bench/latest/avx2/: 1.3 / 1.26 /
+# 1.14 / 1.98 / 2.54 at k = 2 / 4 / 6 / 8 / 16 in a noisy run, the copies 1.87 / 1.85 / 1.98 / 2.66 / 3.33 in the same
+# run): the copies' curve scaled to the kernel's smaller excess, below it at every size.
+PRIOR_COST_HALF_KERNEL = {
+    1: 1.0,
+    2: 1.1,
+    3: 1.15,
+    4: 1.2,
+    6: 1.25,
+    8: 1.35,
+    12: 1.45,
+    16: 1.5,
+    24: 1.75,
+    32: 2.0,
+    48: 2.6,
+    64: 3.1,
+}
 PRIOR_COST_HALF_EMULATED = {
     1: 1.0,
     2: 1.7,
@@ -116,11 +134,14 @@ def half_precision_prior(device: torch.device, dtype: torch.dtype, packed: bool)
     """The cost curve that steers half-precision decoding (untimed): chosen from what the hardware and runtime
     are, never from a clock, so that bf16 greedy output stays the same on a busy machine as on a quiet one.
 
-    bf16 on a CPU without bf16 matmul units has its own curves (prepacked as fp32 copies or not); everything
+    bf16 on a CPU without bf16 matmul units has its own curves (prepacked for the AVX2 kernel, as fp32 copies, or
+    not prepacked); everything
     else (bf16 matmul units, a GPU, fp16) keeps `PRIOR_COST_HALF`."""
-    if device.type != "cpu" or not upcasts(dtype):  # upcasts: bf16 on a CPU without bf16 matmul units
+    if device.type != "cpu" or not packing.upcasts(dtype):  # upcasts: bf16 on a CPU without bf16 matmul units
         return PRIOR_COST_HALF
-    return PRIOR_COST_HALF_FP32_COPIES if packed else PRIOR_COST_HALF_EMULATED
+    if not packed:
+        return PRIOR_COST_HALF_EMULATED
+    return PRIOR_COST_HALF_KERNEL if packing.bf16_kernel() else PRIOR_COST_HALF_FP32_COPIES
 
 
 class AdaptiveDraft:

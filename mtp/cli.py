@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from .packed import PACK_HELP, unpackable_reason, upcasts
+from .packed import PACK_HELP, bf16_kernel, unpackable_reason, upcasts
 
 app = typer.Typer(
     help="Multi-token prediction heads and exact self-speculative decoding for Hugging Face causal LMs.",
@@ -43,15 +43,18 @@ def _compile_decoding(model, note: str = "") -> None:
 
 
 def _pack_decoding(model, pack: bool) -> None:
-    """`model.pack_decoding()` where the weights can be packed, and say so (and that bf16 weights are packed as
-    fp32 copies on a CPU without bf16 matmul units); where they cannot, say why."""
+    """`model.pack_decoding()` where the weights can be packed, and say so (and how bf16 weights multiply on a
+    CPU without bf16 matmul units: through `mtp.bf16_avx2`'s kernel or from fp32 copies); where they cannot, say
+    why."""
     if not pack:
         return
     reason = unpackable_reason(model.base_model)
     if reason is None:
         model.pack_decoding()
-        upcast = upcasts(next(model.base_model.parameters()).dtype)
-        how = ", fp32 copies: this CPU has no bf16 matmul units" if upcast else ""
+        how = ""
+        if upcasts(next(model.base_model.parameters()).dtype):
+            runtime = "bf16 weights through an AVX2 kernel" if bf16_kernel() else "fp32 copies"
+            how = f", {runtime}: this CPU has no bf16 matmul units"
         typer.echo(f"decoding from prepacked weights{how} (--no-pack: the model's own)")
     else:
         typer.echo(f"decoding from the model's own weights: they cannot be prepacked here ({reason})")

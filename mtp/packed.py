@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import bf16_avx2
+
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 # The row count oneDNN lays a weight out for (`_reorder_linear_weight`'s batch-size hint). Decoding runs
 # 1 row (a plain step) and 2-32 rows (tree verifies, drafting, batched rows). In fp32 the layout for 1 row is
@@ -81,11 +83,18 @@ def upcasts(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not bf16_matmul_units()
 
 
+def bf16_kernel() -> bool:
+    """Whether upcast bf16 weights multiply through `mtp.bf16_avx2` (the bf16 weights, blocked: half the bytes
+    of fp32 copies) rather than from fp32 copies in oneDNN's layout: where the kernel builds and runs."""
+    return bf16_avx2.available()
+
+
 class PackedLinear(nn.Module):
     """`F.linear(x, weight, bias)` from a weight kept in oneDNN's layout (a frozen copy: inference only).
 
-    `upcast` (default: `upcasts(weight.dtype)`): a bf16 weight is packed as an fp32 copy; inputs of several rows
-    are multiplied in fp32 and the result rounded to bf16, one row runs bf16's own `F.linear`."""
+    `upcast` (default: `upcasts(weight.dtype)`): a bf16 weight multiplies in fp32 and the result is rounded to
+    bf16 for inputs of several rows, from the bf16 weight blocked for `mtp.bf16_avx2`'s kernel where it runs
+    (`bf16_kernel`), else from an fp32 copy; one row runs bf16's own `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool | None = None):
         super().__init__()
@@ -93,9 +102,15 @@ class PackedLinear(nn.Module):
         self.weight = weight  # the original, shared (code that reads a layer's dtype and device finds it)
         self.upcast = (upcasts(weight.dtype) if upcast is None else upcast) and weight.dtype != torch.float32
         compute = torch.float32 if self.upcast else weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute), BATCH_HINT.get(compute, 1))
         self.own_bias = None if bias is None else bias.detach()  # for upcast one-row steps
         self.bias = None if bias is None else bias.detach().to(compute)
+        self.blocked = self.packed = None
+        if self.upcast and weight.dtype == torch.bfloat16 and bf16_kernel():
+            self.blocked = bf16_avx2.block_weight(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach().to(compute), BATCH_HINT.get(compute, 1)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
@@ -103,11 +118,16 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if x.numel() == self.in_features:  # one row: the model's own kernel, as a plain decode step runs it
             return F.linear(x, self.weight, self.own_bias)
-        out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "")
+        if self.blocked is not None:
+            out = bf16_avx2.linear(x, self.blocked, self.out_features, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "")
         return out.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
-        kind = "packed as fp32" if self.upcast else "packed"
+        kind = "packed"
+        if self.upcast:
+            kind = "blocked bf16, fp32 arithmetic" if self.blocked is not None else "packed as fp32"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 

@@ -197,20 +197,25 @@ def test_generate_reports_drafting_time_and_depth_to_the_policy(fitted, monkeypa
 
 
 @pytest.mark.parametrize("units", [True, False])
-def test_half_precision_prior_follows_the_cpu_and_the_runtime(monkeypatch, units):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_half_precision_prior_follows_the_cpu_and_the_runtime(monkeypatch, units, kernel):
     """bf16 on a CPU without bf16 matmul units gets its own untimed cost curve: steep from the model's own
-    weights (a tree costs about one forward per node there), nearly flat from fp32 copies (`mtp.packed`)."""
+    weights (a tree costs about one forward per node there), nearly flat prepacked (`mtp.packed`), flatter
+    through the AVX2 kernel than from fp32 copies."""
     monkeypatch.setattr(packed, "bf16_matmul_units", lambda: units)
+    monkeypatch.setattr(packed, "bf16_kernel", lambda: kernel)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    prepacked_curve = adaptive.PRIOR_COST_HALF_KERNEL if kernel else adaptive.PRIOR_COST_HALF_FP32_COPIES
     for prepacked in (False, True):
         curve = adaptive.half_precision_prior(cpu, bf16, prepacked)
         if units:
             assert curve is PRIOR_COST_HALF
         else:
-            assert curve is (adaptive.PRIOR_COST_HALF_FP32_COPIES if prepacked else adaptive.PRIOR_COST_HALF_EMULATED)
+            assert curve is (prepacked_curve if prepacked else adaptive.PRIOR_COST_HALF_EMULATED)
         assert adaptive.half_precision_prior(cpu, torch.float16, prepacked) is PRIOR_COST_HALF
         assert adaptive.half_precision_prior(torch.device("cuda"), bf16, prepacked) is PRIOR_COST_HALF
     assert adaptive.PRIOR_COST_HALF_EMULATED[6] > 3 * PRIOR_COST_HALF[6]
+    assert all(adaptive.PRIOR_COST_HALF_KERNEL[k] < adaptive.PRIOR_COST_HALF_FP32_COPIES[k] for k in (4, 6, 8, 16))
 
 
 def test_half_precision_without_bf16_units_drafts_only_where_it_pays(fitted, monkeypatch):

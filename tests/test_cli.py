@@ -16,7 +16,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
 from mtp.compiled import cpu_compiler
-from mtp.packed import can_pack, unpackable_reason, upcasts
+from mtp.packed import bf16_kernel, can_pack, unpackable_reason, upcasts
 
 
 def _word_tokenizer() -> PreTrainedTokenizerFast:
@@ -51,14 +51,16 @@ def test_generate_and_info_on_a_saved_checkpoint(tmp_path):
     res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9 w77", "--max-new-tokens", "20", "--no-chat", "--no-pack")
     assert res.returncode == 0 and "identical: True" in res.stdout, res.stderr
     assert "prepacked" not in res.stdout
-    # bf16: packed in oneDNN's bf16 layout on a CPU with bf16 matmul units, as fp32 copies elsewhere (and said)
+    # bf16: packed in oneDNN's bf16 layout on a CPU with bf16 matmul units; elsewhere for the AVX2 kernel or as
+    # fp32 copies (and said which)
     reason = unpackable_reason(copy.deepcopy(model.base_model).to(torch.bfloat16))
     bf16 = ("--dtype", "bfloat16")
     res = _mtp("generate", "-m", str(tmp_path), "-p", "w5 w9", "--max-new-tokens", "8", "--no-chat", *bf16)
     assert res.returncode == 0, res.stderr
     if reason is None:
         assert "decoding from prepacked weights" in res.stdout
-        assert ("fp32 copies: this CPU has no bf16 matmul units" in res.stdout) == upcasts(torch.bfloat16)
+        runtime = "bf16 weights through an AVX2 kernel" if bf16_kernel() else "fp32 copies"
+        assert (f"{runtime}: this CPU has no bf16 matmul units" in res.stdout) == upcasts(torch.bfloat16)
     else:
         assert f"cannot be prepacked here ({reason})" in res.stdout
     res = _mtp("info", str(tmp_path))
