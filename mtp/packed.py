@@ -17,12 +17,14 @@ after packing are not seen until the model is packed again.
 bf16 on a CPU without bf16 matmul units (AVX2 only, most AMD Zen 2-3 and older Intel parts): there torch's
 bf16 matmul reads the whole weight once per row, so a forward over k rows costs about k one-row forwards
 (SmolLM2-135M, 2 AVX2 cores: 8 rows 3.8x, 16 rows 7.4x one row) and a tree verify costs several plain steps:
-speculation in bf16 ran at 0.70x of plain bf16 `generate()` there. Such weights are packed as fp32 copies
-(`upcasts`): a step of several rows (a verify, drafting, a prompt, batched rows) multiplies in fp32 from the
-blocked layout, which reads each weight once whatever the row count (8 rows ~1.5x one row), and rounds the
-result back to bf16; a one-row step keeps the model's own bf16 kernel, the one `generate()` runs. The copy is
-fp32: +540 MB for SmolLM2. Rounding differs from bf16's own kernel like any change of kernel: the benchmark
-counts every bf16 difference with its logit margin.
+speculation in bf16 ran at 0.70x of plain bf16 `generate()` there. Such weights are upcast (`upcasts`): a step
+of several rows (a verify, drafting, a prompt, batched rows) multiplies in fp32, reading each weight once
+whatever the row count, and rounds the result back to bf16; a one-row step keeps the model's own bf16 kernel,
+the one `generate()` runs. Where `mtp.bf16_avx2`'s kernel builds (an AVX2 CPU and a C++ compiler: `bf16_kernel`)
+it reads the bf16 weights themselves, blocked for it (+270 MB for SmolLM2; a 6-node verify ~1.15-1.3 one-token
+steps); elsewhere the weights are fp32 copies in oneDNN's blocked layout (+540 MB, twice the bytes to read per
+step: ~1.5-2). Rounding differs from bf16's own kernel like any change of kernel: the benchmark counts every
+bf16 difference with its logit margin.
 
 `packed_copy(module)` returns a copy of a module tree that shares every tensor with the original except that
 each `nn.Linear` (and the drafting projection) runs from a packed weight. Nothing of the original changes.
