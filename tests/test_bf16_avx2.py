@@ -78,3 +78,37 @@ def test_bf16_upcast_linear_runs_one_row_in_bf16_and_several_in_fp32(monkeypatch
                 fp32 = F.linear(x.float(), weight.float(), None if b is None else b.float())
                 torch.testing.assert_close(got.float(), fp32, rtol=8e-3, atol=1e-2)  # one bf16 rounding
     assert not PackedLinear(weight.float(), upcast=True).upcast  # fp32 weights are packed as they are
+
+
+def test_batched_bf16_rows_through_the_kernel_decode_what_each_decodes_alone(monkeypatch):
+    """The batched engine in bf16 on a CPU without bf16 units: every step's rows (several requests' trees, one
+    forward) multiply through the kernel. Each greedy row still gets its own bf16 `generate()`'s tokens, or
+    parts from them only at a near-tie (two bf16 ulps of the top logit), with most drafts accepted."""
+    import copy
+
+    from test_batching import CHEAP_TREES, fitted_model, run
+
+    from mtp.batching import BatchDecoder
+    from mtp.bench.run import first_difference, top2_margin
+
+    monkeypatch.setattr(packed, "bf16_matmul_units", lambda: False)
+    fitted, prompts = fitted_model("llama")
+    model = copy.deepcopy(fitted).to(torch.bfloat16).pack_decoding()
+    layers = [m for m in model._packed[0].modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.blocked is not None for m in layers)
+    engine = BatchDecoder(model, guard=False, cost=CHEAP_TREES)
+    outs, finish = run(engine, prompts, 30)
+    base, identical = model.base_model, 0
+    for p, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([p])
+        ref = base.generate(ids, max_new_tokens=30, do_sample=False)
+        i = first_difference(ref, torch.tensor([p + out]), len(p))
+        if i is None:
+            identical += 1
+            continue
+        with torch.no_grad():
+            logits = base(ref[:, : len(p) + i]).logits[0, -1]
+        assert top2_margin(logits) <= 2 * 2.0**-7 * float(logits.float().max().abs()), (p, i)
+    assert identical >= len(prompts) - 1
+    lengths = [a for u in finish.values() for a in u.accepted_lengths]
+    assert sum(lengths) / len(lengths) > 2.0  # most drafts accepted
