@@ -97,9 +97,9 @@ PRIOR_COST_HALF_FP32_COPIES = {
     64: 3.6,
 }
 # Prepacked for mtp.bf16_avx2's kernel (the bf16 weights blocked, multiplied in fp32, half the bytes of the copies),
-# relative to a one-token bf16 step (SmolLM2-135M, 2 AVX2 cores, interleaved runs in bench/latest/avx2/: 1.3 / 1.26 /
-# 1.14 / 1.98 / 2.54 at k = 2 / 4 / 6 / 8 / 16 in a noisy run, the copies 1.87 / 1.85 / 1.98 / 2.66 / 3.33 in the same
-# run): the copies' curve scaled to the kernel's smaller excess, below it at every size.
+# relative to a one-token bf16 step (SmolLM2-135M, 2 AVX2 cores, bench/latest/avx2/verify_cost_kernel.py: 1.0 / 1.09 /
+# 1.35 / 1.5 / 1.56 at k = 2 / 4 / 6 / 8 / 16, the copies 1.55 / 1.71 / 1.87 / 2.46 / 2.61 interleaved with it): the
+# copies' curve scaled to the kernel's smaller excess, below it at every size.
 PRIOR_COST_HALF_KERNEL = {
     1: 1.0,
     2: 1.1,
