@@ -49,7 +49,7 @@ class DraftProjection(nn.Module):
 
         out = copy.copy(self)
         out._modules = dict(self._modules)
-        out.packed = PackedLinear(self.weight, self.bias)
+        out.packed = PackedLinear(self.weight, self.bias, own_one_row=False)  # a drafter's: no bits to match
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -259,7 +259,9 @@ class MTPModel(nn.Module):
         """
         from .packed import packed_copy
 
-        object.__setattr__(self, "_packed", (packed_copy(self.base_model), packed_copy(self.heads)))
+        # the heads' one-row calls may leave bf16's own kernel (no reference to match bit for bit), the base's not
+        heads = packed_copy(self.heads, own_one_row=False)
+        object.__setattr__(self, "_packed", (packed_copy(self.base_model), heads))
         object.__setattr__(self, "_draft_projection", None)
         return self
 

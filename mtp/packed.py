@@ -96,10 +96,19 @@ class PackedLinear(nn.Module):
 
     `upcast` (default: `upcasts(weight.dtype)`): a bf16 weight multiplies in fp32 and the result is rounded to
     bf16 for inputs of several rows, from the bf16 weight blocked for `mtp.bf16_avx2`'s kernel where it runs
-    (`bf16_kernel`), else from an fp32 copy; one row runs bf16's own `F.linear`."""
+    (`bf16_kernel`), else from an fp32 copy; one row runs bf16's own `F.linear` (the bits of a plain
+    `generate()` step), unless `own_one_row=False`: drafters, whose bits no reference has to match, then run
+    one row through the kernel too (about half the time of bf16's own one-row kernel on such a CPU)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        upcast: bool | None = None,
+        own_one_row: bool = True,
+    ):
         super().__init__()
+        self.own_one_row = own_one_row
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = weight  # the original, shared (code that reads a layer's dtype and device finds it)
         self.upcast = (upcasts(weight.dtype) if upcast is None else upcast) and weight.dtype != torch.float32
@@ -118,8 +127,8 @@ class PackedLinear(nn.Module):
         x = x.to(self.weight.dtype)
         if not self.upcast:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if x.numel() == self.in_features:  # one row: the model's own kernel, as a plain decode step runs it
-            return F.linear(x, self.weight, self.own_bias)
+        if x.numel() == self.in_features and (self.own_one_row or self.blocked is None):
+            return F.linear(x, self.weight, self.own_bias)  # one row: the model's own kernel, as generate() runs it
         if self.blocked is not None:
             out = bf16_avx2.linear(x, self.blocked, self.out_features, self.bias)
         else:
@@ -133,28 +142,29 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
-def packed_copy(module: nn.Module) -> nn.Module:
+def packed_copy(module: nn.Module, own_one_row: bool = True) -> nn.Module:
     """A copy of `module` sharing all its tensors, with every `nn.Linear` replaced by a `PackedLinear`.
 
     Modules with a projection of their own (`DraftProjection`) pack it through their `to_packed()` method.
+    `own_one_row=False` (drafters): upcast bf16 layers run one row through the kernel too (`PackedLinear`).
     """
     reason = unpackable_reason(module)
     if reason is not None:
         raise ValueError(f"cannot pack weights here: {reason}")
     tensors = [*module.parameters(), *module.buffers()]
     out = copy.deepcopy(module, memo={id(t): t for t in tensors})
-    return pack_in_place(out)
+    return pack_in_place(out, own_one_row)
 
 
-def pack_in_place(module: nn.Module) -> nn.Module:
+def pack_in_place(module: nn.Module, own_one_row: bool = True) -> nn.Module:
     """Replace the linear layers under `module` (itself included if it is one) by packed ones."""
     if type(module) is nn.Linear:
-        return PackedLinear(module.weight, module.bias)
+        return PackedLinear(module.weight, module.bias, own_one_row=own_one_row)
     to_packed = getattr(module, "to_packed", None)
     if callable(to_packed):
         return to_packed()
     for name, child in list(module.named_children()):
-        replaced = pack_in_place(child)
+        replaced = pack_in_place(child, own_one_row)
         if replaced is not child:
             setattr(module, name, replaced)
     return module

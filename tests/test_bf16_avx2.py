@@ -78,6 +78,11 @@ def test_bf16_upcast_linear_runs_one_row_in_bf16_and_several_in_fp32(monkeypatch
                 fp32 = F.linear(x.float(), weight.float(), None if b is None else b.float())
                 torch.testing.assert_close(got.float(), fp32, rtol=8e-3, atol=1e-2)  # one bf16 rounding
     assert not PackedLinear(weight.float(), upcast=True).upcast  # fp32 weights are packed as they are
+    # a drafter's layer (own_one_row=False) runs one row through the kernel as well, where the kernel runs
+    x = torch.randn(1, 1, 64, generator=g).to(torch.bfloat16)
+    drafter = PackedLinear(weight, bias, upcast=True, own_one_row=False)
+    want = bf16_avx2.linear(x, drafter.blocked, 96, bias.float()).bfloat16() if kernel else F.linear(x, weight, bias)
+    assert torch.equal(drafter(x), want)
 
 
 def test_batched_bf16_rows_through_the_kernel_decode_what_each_decodes_alone(monkeypatch):

@@ -79,6 +79,8 @@ def test_bf16_upcast_decoding_matches_bf16_generate_with_most_drafts_accepted(fi
     base = model.base_model
     layers = [m for m in model._packed[0].modules() if isinstance(m, PackedLinear)]
     assert layers and all(m.upcast and (m.blocked is not None) == kernel for m in layers)
+    drafter = [m for m in model._packed[1].modules() if isinstance(m, PackedLinear)]
+    assert all(m.own_one_row for m in layers) and drafter and not any(m.own_one_row for m in drafter)
     calls = _counting_packed(monkeypatch)
     taus = []
     for ids in prompts:
