@@ -135,8 +135,7 @@ def half_precision_prior(device: torch.device, dtype: torch.dtype, packed: bool)
     are, never from a clock, so that bf16 greedy output stays the same on a busy machine as on a quiet one.
 
     bf16 on a CPU without bf16 matmul units has its own curves (prepacked for the AVX2 kernel, as fp32 copies, or
-    not prepacked); everything
-    else (bf16 matmul units, a GPU, fp16) keeps `PRIOR_COST_HALF`."""
+    not prepacked); everything else (bf16 matmul units, a GPU, fp16) keeps `PRIOR_COST_HALF`."""
     if device.type != "cpu" or not packing.upcasts(dtype):  # upcasts: bf16 on a CPU without bf16 matmul units
         return PRIOR_COST_HALF
     if not packed:

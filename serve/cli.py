@@ -72,7 +72,7 @@ def serve(
     import torch
     import uvicorn
 
-    from mtp.cli import _pack_decoding, _parse_tree
+    from mtp.cli import _fail, _pack_decoding, _parse_tree
 
     from .app import ServeConfig, create_app
     from .engine import ModelRunner
@@ -92,8 +92,7 @@ def serve(
         loaded = load_checkpoint(model, torch_dtype) if model is not None else load_default(torch_dtype, heads=heads)
         context = context_length(loaded.model, max_context)
     except (FileNotFoundError, ValueError, OSError, ModuleNotFoundError) as e:
-        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(code=2) from None
+        _fail(str(e))
     _pack_decoding(loaded.model, pack)
     cost = None
     if step_cost is not None:
@@ -103,15 +102,13 @@ def serve(
             try:
                 cost = StepCost.load(step_cost)
             except (ValueError, OSError) as e:
-                typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-                raise typer.Exit(code=2) from None
+                _fail(str(e))
         else:
             cost = StepCost.measure(loaded.model)
             try:
                 cost.save(step_cost)
             except OSError as e:
-                typer.secho(f"error: cannot write the step-cost curve: {e}", fg=typer.colors.RED, err=True)
-                raise typer.Exit(code=2) from None
+                _fail(f"cannot write the step-cost curve: {e}")
             logging.getLogger("mtp.serve").info("measured the step-cost curve, written to %s", step_cost)
     runner = ModelRunner(
         loaded.model, loaded.tokenizer, tree=None if tree == "auto" else _parse_tree(tree), step_cost=cost
