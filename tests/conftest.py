@@ -86,6 +86,21 @@ def fit_heads(
     return model, seqs
 
 
+def same_or_near_tie(base, ref: torch.Tensor, got: torch.Tensor, prompt_len: int) -> bool:
+    """Whether half-precision `got` is `ref` (the base's own greedy `generate()`) token for token; where it parts,
+    it must do so at a near-tie: the base's top-2 logit margin there within two bf16 ulps of its top logit."""
+    from mtp.bench.run import first_difference, top2_margin
+
+    i = first_difference(ref, got, prompt_len)
+    if i is None:
+        return True
+    with torch.no_grad():
+        logits = base(ref[:, : prompt_len + i]).logits[0, -1]
+    margin, top = top2_margin(logits), float(logits.float().max().abs())
+    assert margin <= 2 * 2.0**-7 * top, (i, margin)  # two bf16 ulps
+    return False
+
+
 def assert_decodes_like_generate(
     model: MTPModel, prompts: list[torch.Tensor], seqs: list[torch.Tensor], g: torch.Generator
 ) -> None:

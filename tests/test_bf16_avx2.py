@@ -91,10 +91,10 @@ def test_batched_bf16_rows_through_the_kernel_decode_what_each_decodes_alone(mon
     parts from them only at a near-tie (two bf16 ulps of the top logit), with most drafts accepted."""
     import copy
 
+    from conftest import same_or_near_tie
     from test_batching import CHEAP_TREES, fitted_model, run
 
     from mtp.batching import BatchDecoder
-    from mtp.bench.run import first_difference, top2_margin
 
     monkeypatch.setattr(packed, "bf16_matmul_units", lambda: False)
     fitted, prompts = fitted_model("llama")
@@ -107,13 +107,7 @@ def test_batched_bf16_rows_through_the_kernel_decode_what_each_decodes_alone(mon
     for p, out in zip(prompts, outs, strict=True):
         ids = torch.tensor([p])
         ref = base.generate(ids, max_new_tokens=30, do_sample=False)
-        i = first_difference(ref, torch.tensor([p + out]), len(p))
-        if i is None:
-            identical += 1
-            continue
-        with torch.no_grad():
-            logits = base(ref[:, : len(p) + i]).logits[0, -1]
-        assert top2_margin(logits) <= 2 * 2.0**-7 * float(logits.float().max().abs()), (p, i)
+        identical += same_or_near_tie(base, ref, torch.tensor([p + out]), len(p))
     assert identical >= len(prompts) - 1
     lengths = [a for u in finish.values() for a in u.accepted_lengths]
     assert sum(lengths) / len(lengths) > 2.0  # most drafts accepted
