@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .dynamic_tree import DraftNodes, DynamicTree, Growth, grow
+from .kv_cache import new_cache
 from .proposer import SEQUENTIAL_DEPTH_COST, Proposer
 from .tree import Tree
 
@@ -116,14 +117,12 @@ class _RowBatch:
     catch-up feed: the speculative ones live and die with this batch."""
 
     def __init__(self, proposers: Sequence[EagleProposer]):
-        from transformers import DynamicCache
-
         self.proposers = proposers
         dr = proposers[0].drafter
         self.dtype, self.device = dr.fc.weight.dtype, dr.fc.weight.device
         self.drafter = dr
         self.length = max(p.committed for p in proposers)
-        self.cache = DynamicCache()
+        self.cache = new_cache()
         lengths = torch.tensor([p.committed for p in proposers], device=self.device)
         self.visible = torch.arange(self.length, device=self.device)[None] < lengths[:, None]
         self.slot: list[dict[int, int]] = [{} for _ in proposers]  # per row: node -> slot of its entry
@@ -223,11 +222,9 @@ class EagleProposer(Proposer):
     dynamic_trees = True
 
     def __init__(self, drafter: nn.Module):
-        from transformers import DynamicCache
-
         self.drafter = drafter
         self.feature_layers = tuple(drafter.feature_layers)
-        self.cache = DynamicCache()
+        self.cache = new_cache()
         self.committed = 0  # entries 0..committed-1 are in the cache
         self.last_out: torch.Tensor | None = None  # (d,) output of entry committed-1: drafts x_{n+1}
         self._g: list[torch.Tensor] = []  # g = fc(aux) of the first pending positions, in chunks

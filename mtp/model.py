@@ -257,11 +257,14 @@ class MTPModel(nn.Module):
         weights, and it is a snapshot: call it again after changing the weights. Training, `forward()`
         and `base_model.generate()` keep using the model's own weights.
         """
+        from .attention import use_grouped_sdpa
         from .packed import packed_copy
 
         # the heads' one-row calls may leave bf16's own kernel (no reference to match bit for bit), the base's not
         heads = packed_copy(self.heads, own_one_row=False)
-        object.__setattr__(self, "_packed", (packed_copy(self.base_model), heads))
+        base = packed_copy(self.base_model)
+        use_grouped_sdpa(base)  # the copy has a config of its own: the model's generate() keeps plain sdpa
+        object.__setattr__(self, "_packed", (base, heads))
         object.__setattr__(self, "_draft_projection", None)
         return self
 

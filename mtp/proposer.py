@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .dynamic_tree import DynamicTree
+from .kv_cache import new_cache
 from .tree import Tree
 
 # One depth of a drafter that runs a module per depth (one layer, its projection onto the draft vocabulary,
@@ -204,11 +205,9 @@ class MTPProposer(Proposer):
     depth_cost = SEQUENTIAL_DEPTH_COST
 
     def __init__(self, modules: nn.Module, lm_head: nn.Module):
-        from transformers import DynamicCache
-
         self.modules, self.lm_head = modules, lm_head
         K = modules.num_heads
-        self.caches = [DynamicCache() for _ in range(K)]
+        self.caches = [new_cache() for _ in range(K)]
         self.committed = [0] * K  # module k+1 has positions [0, committed[k]) in its cache
         self.tokens: list[int] = []
         self.outs: list[torch.Tensor | None] = [None] * (K + 1)  # h^j for positions [starts[j], ...)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from mtp.kv_cache import keep_accepted
+from mtp.kv_cache import GrowingLayer, keep_accepted, new_cache
 from mtp.tree import DEFAULT_ACCURACIES, Tree, best_trees, build_tree, chain
 from mtp.verify import verify_greedy
 
@@ -83,16 +83,17 @@ def test_verify_greedy_literal():
     assert verify_greedy(t, draft, [3, 0, 0, 0, 0, 0, 0]) == ([0], 3)
 
 
-def _filled_cache(length: int) -> DynamicCache:
-    cache = DynamicCache()
+def _filled_cache(length: int, cache: DynamicCache | None = None) -> DynamicCache:
+    cache = new_cache() if cache is None else cache
     for layer in range(2):
         k = torch.arange(length, dtype=torch.float32).view(1, 1, length, 1).repeat(1, 2, 1, 3) + 100 * layer
         cache.update(k, -k, layer)
     return cache
 
 
-def test_keep_accepted_tree_path():
-    cache = _filled_cache(9)  # prefix 5 + tree of 4 nodes
+@pytest.mark.parametrize("make", [new_cache, DynamicCache], ids=["growing", "dynamic"])
+def test_keep_accepted_tree_path(make):
+    cache = _filled_cache(9, make())  # prefix 5 + tree of 4 nodes
     keep_accepted(cache, prefix_len=5, keep=[0, 1, 3])
     assert cache.get_seq_length() == 8
     for i, layer in enumerate(cache.layers):
@@ -100,7 +101,48 @@ def test_keep_accepted_tree_path():
         assert layer.values[0, 1, :, 2].tolist() == [-(p + 100 * i) for p in [0, 1, 2, 3, 4, 5, 6, 8]]
 
 
-def test_keep_accepted_chain_is_a_crop():
-    cache = _filled_cache(9)
+@pytest.mark.parametrize("make", [new_cache, DynamicCache], ids=["growing", "dynamic"])
+def test_keep_accepted_chain_is_a_crop(make):
+    cache = _filled_cache(9, make())
     keep_accepted(cache, prefix_len=5, keep=[0, 1])
     assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_growing_layers_follow_dynamic_layers_through_growth_crops_and_tree_keeps():
+    """The same appends, crops and tree keeps on both caches, across several buffer growths: equal contents,
+    and each layer's keys/values are views of its buffers (written in place, not concatenated)."""
+    g = torch.Generator().manual_seed(0)
+    grow, ref = new_cache(), DynamicCache()
+    for step in range(60):
+        n = int(torch.randint(1, 40 if step % 7 == 0 else 9, (1,), generator=g))
+        for layer in range(3):
+            k = torch.randn(2, 3, n, 4, generator=g)
+            v = torch.randn(2, 3, n, 4, generator=g)
+            out_k, out_v = grow.update(k, v, layer)
+            ref_k, ref_v = ref.update(k, v, layer)
+            assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+        if n > 2 and step % 3 == 0:  # a tree step: keep a non-contiguous path of the n new nodes
+            prefix = grow.get_seq_length() - n
+            keep = [0, *sorted(torch.randperm(n - 1, generator=g)[:2].add(1).tolist())]
+            keep_accepted(grow, prefix, keep)
+            keep_accepted(ref, prefix, keep)
+        elif step % 5 == 0:
+            drop = int(torch.randint(0, n + 1, (1,), generator=g))
+            grow.crop(-drop)
+            ref.crop(-drop)
+        assert grow.get_seq_length() == ref.get_seq_length()
+        for a, b in zip(grow.layers, ref.layers, strict=True):
+            assert isinstance(a, GrowingLayer)
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert a.keys.untyped_storage().data_ptr() == a._k.untyped_storage().data_ptr()
+    assert grow.layers[0]._k.shape[-2] > grow.get_seq_length()  # it grew ahead, by more than it needed
+
+
+def test_growing_layer_refuses_a_positive_crop_and_resets():
+    cache = _filled_cache(9)
+    with pytest.raises(ValueError, match="negative"):
+        cache.layers[0].crop(3)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    k = torch.ones(1, 2, 2, 3)
+    assert cache.update(k, k, 0)[0].shape == (1, 2, 2, 3)
