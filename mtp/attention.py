@@ -2,9 +2,10 @@
 
 transformers' `sdpa` attention hands torch's kernel the grouped key/value heads directly only when there
 is no mask; with one (every tree verify step) it first repeats each KV head for its query heads
-(`repeat_kv`), a copy of the layer's whole cache per forward: SmolLM2 (9 query heads, 3 KV heads, ~400
-cached tokens) spends ~7 ms of a ~45 ms bf16 verify on it. torch's own `enable_gqa` takes the mask too and
-gives the same bits (`tests/test_attention.py`), so decoding registers `GROUPED_SDPA` and switches its own
+(`repeat_kv`), a copy of the layer's whole cache per forward (SmolLM2: 9 query heads over 3 KV heads).
+Together with the in-place caches of `mtp.kv_cache`, avoiding it takes a 6-node bf16 verify of SmolLM2 with 400
+cached tokens from 35.4 to 32.4 ms (bench/latest/amx/forward_ab.py). torch's own `enable_gqa` takes the mask
+too and gives the same bits (`tests/test_attention.py`), so decoding registers `GROUPED_SDPA` and switches its own
 copy of the base to it (`use_grouped_sdpa`). Anything the fast path does not cover (one query row, a
 position bias, soft-capping, attention sinks, no grouped heads) goes to transformers' `sdpa` unchanged.
 """
