@@ -1,6 +1,7 @@
 """End-to-end A/B, interleaved per prompt: transformers' DynamicCache + sdpa ("old") against mtp's GrowingLayer
 caches + grouped sdpa ("new"), and plain generate(); eagle drafter, prepacked, 6 MT-Bench questions x 2, 128 new
-tokens. Run from the repository root: python bench/latest/amx/runtime_ab.py [bfloat16|float32]"""
+tokens (or the first 6 held-out follow-ups). Run from the repository root:
+python bench/latest/amx/runtime_ab.py [bfloat16|float32] [mtbench|followups]"""
 
 import sys
 import time
@@ -12,12 +13,16 @@ from mtp import decoding, eagle_proposer, kv_cache, proposer
 from mtp.default_model import load_default_mtp
 
 sys.path.insert(0, ".")
-from bench.mtbench import first_turn_ids, load_mtbench  # noqa: E402
+from bench.heldout import followups  # noqa: E402
+from bench.mtbench import chat_prompt_ids, first_turn_ids, load_mtbench  # noqa: E402
 
 dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
 model, tok, _ = load_default_mtp(dtype, "eagle")
 model.pack_decoding()
-prompts = [first_turn_ids(tok, q) for q in load_mtbench(limit=6)]
+if len(sys.argv) > 2 and sys.argv[2] == "followups":
+    prompts = [chat_prompt_ids(tok, p.messages()) for p in followups(6)]
+else:
+    prompts = [first_turn_ids(tok, q) for q in load_mtbench(limit=6)]
 
 
 def use(runtime: str) -> None:
