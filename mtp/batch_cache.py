@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .kv_cache import grown
+
 
 class SlotLayer(DynamicLayer):
     """One layer's (B, H, capacity, D) key/value buffers; `length` positions are in use (the batch width)."""
@@ -35,16 +37,8 @@ class SlotLayer(DynamicLayer):
         self.is_initialized = True
 
     def reserve(self, need: int) -> None:
-        """Grow the buffers (by half again, at least) so that `need` positions fit."""
-        cap = self.keys.shape[-2]
-        if need <= cap:
-            return
-        new_cap = max(need, cap + cap // 2 + 64)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_empty((*old.shape[:2], new_cap, old.shape[3]))
-            new[..., : self.length, :] = old[..., : self.length, :]
-            setattr(self, name, new)
+        """Grow the buffers (`kv_cache.grown`) so that `need` positions fit."""
+        self.keys, self.values = grown(self.keys, self.length, need), grown(self.values, self.length, need)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

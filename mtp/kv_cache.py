@@ -14,6 +14,18 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
+def grown(buffer: torch.Tensor, used: int, need: int) -> torch.Tensor:
+    """`buffer` (.., capacity, D) if `need` positions fit, else a larger one (by half again, at least) holding its
+    first `used` positions: the growth rule of every in-place cache layer (`GrowingLayer`, `batch_cache.SlotLayer`),
+    so appends copy the cache only O(log length) times."""
+    cap = buffer.shape[-2]
+    if need <= cap:
+        return buffer
+    out = buffer.new_empty((*buffer.shape[:-2], max(need, cap + cap // 2 + 64), buffer.shape[-1]))
+    out[..., :used, :] = buffer[..., :used, :]
+    return out
+
+
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys/values live in preallocated buffers written in place.
 
@@ -35,22 +47,11 @@ class GrowingLayer(DynamicLayer):
         self.length = length
         self.keys, self.values = self._k[..., :length, :], self._v[..., :length, :]
 
-    def _reserve(self, need: int) -> None:
-        cap = self._k.shape[-2]
-        if need <= cap:
-            return
-        new_cap = max(need, cap + cap // 2 + 64)
-        k = self._k.new_empty((*self._k.shape[:2], new_cap, self._k.shape[3]))
-        v = self._v.new_empty((*self._v.shape[:2], new_cap, self._v.shape[3]))
-        k[..., : self.length, :] = self.keys
-        v[..., : self.length, :] = self.values
-        self._k, self._v = k, v
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, n = self.length, key_states.shape[-2]
-        self._reserve(start + n)
+        self._k, self._v = grown(self._k, start, start + n), grown(self._v, start, start + n)
         self._k[..., start : start + n, :] = key_states
         self._v[..., start : start + n, :] = value_states
         self._set_length(start + n)
