@@ -69,7 +69,7 @@ def test_what_the_fast_path_does_not_cover_goes_to_transformers(case, monkeypatc
     assert calls == [1]
 
 
-def test_packed_decoding_switches_its_own_copy_and_runs_tree_steps_on_the_fast_path(monkeypatch):
+def test_packed_decoding_switches_its_own_copy_and_runs_tree_steps_on_the_fast_path():
     from mtp import MTPModel
 
     base = tiny_model("llama", seed=2)  # 4 query heads over 2 KV heads
@@ -83,9 +83,12 @@ def test_packed_decoding_switches_its_own_copy_and_runs_tree_steps_on_the_fast_p
         rows.append(query.shape[2])
         return fast(module, query, *args, **kwargs)
 
-    monkeypatch.setitem(attention.AttentionInterface._global_mapping, GROUPED_SDPA, counted)
-    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(1))
-    model.generate(ids, max_new_tokens=12, tree=[(0,), (1,), (0, 0)], speculative=True)
+    attention.AttentionInterface.register(GROUPED_SDPA, counted)
+    try:
+        ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+        model.generate(ids, max_new_tokens=12, tree=[(0,), (1,), (0, 0)], speculative=True)
+    finally:
+        attention.AttentionInterface.register(GROUPED_SDPA, fast)
     assert 4 in rows  # the 4-node verify steps ran through it
 
 
